@@ -1,0 +1,17 @@
+"""flash_cute: FlashAttention-style fused attention for PyTorch, kernels in the CuTe DSL."""
+from flash_cute.interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "__version__",
+]

@@ -1,0 +1,93 @@
+"""Public, FlashAttention-2-compatible entry points. Thin: validate, refuse what the kernels
+cannot run yet, then hand over to autograd.
+
+Differences from FA2: dropout is not supported (dropout_p must be 0.0), so with
+return_attn_probs=True the third value (S_dmask) is always None. ``deterministic`` is accepted
+for compatibility; the forward is deterministic and so is the interim backward.
+"""
+from __future__ import annotations
+
+from flash_cute import dispatch, validation
+from flash_cute.autograd import FlashAttnFunc
+
+# Tests set this to False (with a stand-in for dispatch.fwd) to run the whole path on CPU.
+_REQUIRE_CUDA = True
+
+
+def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqlens=False,
+         **options):
+    validation.check_flag("deterministic", deterministic)
+    validation.check_flag("return_attn_probs", return_attn_probs)
+    opts = validation.validate_fwd(q, k, v, validate_cu_seqlens=validate_cu_seqlens,
+                                   require_cuda=_REQUIRE_CUDA, **options)
+    why = dispatch.unsupported_fwd_option(
+        dropout_p=opts["dropout_p"], window_size=opts["window_size"], softcap=opts["softcap"],
+        alibi_slopes=opts["alibi_slopes"], varlen=varlen)
+    if why is not None:
+        raise NotImplementedError(f"flash_cute: unsupported option {why}")
+    out, lse = FlashAttnFunc.apply(
+        q, k, v, opts["softmax_scale"], opts["causal"], opts["window_size"], opts["softcap"],
+        opts["alibi_slopes"], opts["dropout_p"], opts["cu_seqlens_q"], opts["cu_seqlens_k"],
+        opts["max_seqlen_q"], opts["max_seqlen_k"], opts["seqused_q"], opts["seqused_k"])
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """Attention over a padded batch.
+
+    q (b, sq, h, d), k/v (b, sk, hk, d), fp16/bf16 CUDA tensors, h % hk == 0 (GQA/MQA).
+    Returns out (b, sq, h, d), or (out, softmax_lse fp32 (b, h, sq), None) when
+    return_attn_probs. causal and window_size are bottom-right aligned when sq != sk (FA2 >= 2.1).
+    """
+    return _run(q, k, v, varlen=False, return_attn_probs=return_attn_probs,
+                deterministic=deterministic, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                causal=causal, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, seqused_q=None, seqused_k=None, *,
+                           validate_cu_seqlens=False):
+    """Attention over packed sequences of different lengths.
+
+    q (total_q, h, d), k/v (total_k, hk, d); cu_seqlens_* int32 (b + 1,) prefix sums of the
+    lengths; max_seqlen_* Python ints. seqused_* int32 (b,): use only the first N tokens of each
+    sequence. Returns out (total_q, h, d), or (out, softmax_lse fp32 (h, total_q), None).
+    validate_cu_seqlens=True (or FLASH_CUTE_DEBUG=1) also checks the cu_seqlens contents, at
+    the cost of a device sync.
+    """
+    return _run(q, k, v, varlen=True, return_attn_probs=return_attn_probs,
+                deterministic=deterministic, validate_cu_seqlens=validate_cu_seqlens,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+def _unpack(packed, name, n, layout):
+    validation.check_tensor(name, packed)
+    if packed.dim() != 5 or packed.shape[2] != n:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(packed.shape)}")
+    return packed.unbind(dim=2)  # views into packed: no copies, grads flow back into it
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """flash_attn_func on qkv (b, s, 3, h, d); q, k, v are views of it."""
+    q, k, v = _unpack(qkv, "qkv", 3, "(batch, seqlen, 3, nheads, head_dim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """flash_attn_func on q (b, sq, h, d) and kv (b, sk, 2, hk, d); k, v are views of kv."""
+    k, v = _unpack(kv, "kv", 2, "(batch, seqlen, 2, nheads_kv, head_dim)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
