@@ -20,7 +20,8 @@ def rand(*shape, dtype=torch.float32, seed=0):
 
 
 def qkv(b, sq, sk, h, hk, d, dtype=torch.float32, seed=0):
-    return (rand(b, sq, h, d, dtype=dtype, seed=seed), rand(b, sk, hk, d, dtype=dtype, seed=seed + 1),
+    return (rand(b, sq, h, d, dtype=dtype, seed=seed),
+            rand(b, sk, hk, d, dtype=dtype, seed=seed + 1),
             rand(b, sk, hk, d, dtype=dtype, seed=seed + 2))
 
 

@@ -41,7 +41,7 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(interface, "_REQUIRE_CUDA", False)
 
 
-# ---- tensors: type, device, dtype -------------------------------------------------------------
+# ---- tensors: type, device, dtype
 
 def test_not_a_tensor():
     q, k, v = batched()
@@ -82,7 +82,7 @@ def test_mixed_dtypes():
         check(q, k.half(), v)
 
 
-# ---- shapes -------------------------------------------------------------------------------------
+# ---- shapes
 
 def test_rank():
     q, k, v = batched()
@@ -126,7 +126,7 @@ def test_head_dims():
         check(*batched(d=d))
 
 
-# ---- memory layout ------------------------------------------------------------------------------
+# ---- memory layout
 
 def test_last_dim_stride():
     q, k, v = batched()
@@ -159,7 +159,7 @@ def test_size_one_dims_and_packed_views_pass():
     check(*qkv.unbind(2))
 
 
-# ---- varlen ----------------------------------------------------------------------------------------
+# ---- varlen
 
 def test_cu_seqlens_metadata():
     (q, k, v), cu = varlen_args()
@@ -229,7 +229,7 @@ def test_seqused():
         check(q, k, v, seqused_k=too_long, validate_cu_seqlens=True, **cu)
 
 
-# ---- scalar options ---------------------------------------------------------------------------------
+# ---- scalar options
 
 @pytest.mark.parametrize("window, exc, message", [
     (5, TypeError, "window_size must be a tuple of two ints"),
@@ -299,7 +299,7 @@ def test_flags(on_cpu):
         flash_cute.flash_attn_func(*batched(), deterministic=None)
 
 
-# ---- public API: unsupported options and packed layouts --------------------------------------------
+# ---- public API: unsupported options and packed layouts
 
 @pytest.mark.parametrize("kw, name", [
     (dict(dropout_p=0.1), "dropout_p=0.1"),
