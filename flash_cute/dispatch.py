@@ -2,10 +2,26 @@
 
 Inputs arrive already validated by ``flash_cute.validation``; this layer only decides what the
 kernels can run and raises ``NotImplementedError`` (naming the option) for what they cannot.
+
+Kernels are compiled against symbolic shapes and strides (fake tensors), so the cache key holds
+only what changes the generated code: arch, dtype, head dim, causal. Batch, sequence lengths,
+head counts and strides are runtime values: a training loop with varying lengths compiles once.
 """
 from __future__ import annotations
 
+import math
+import os
+import threading
+import time
+
 import torch
+
+from .config import SUPPORTED_HEAD_DIMS, FwdSm90Config
+
+_TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
+DEFAULT_ARCH = "sm_90a"
+_cache: dict = {}
+_cache_lock = threading.Lock()
 
 
 def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -24,6 +40,82 @@ def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, 
     return None
 
 
+def compile_cache_size() -> int:
+    return len(_cache)
+
+
+def _fake_args(dtype_name: str, d: int):
+    """Fake tensors with symbolic sizes and 16-byte-divisible strides, plus a fake stream."""
+    import cutlass
+    import cutlass.cute as cute
+
+    dt = getattr(cutlass, dtype_name)
+    align = 128 // dt.width  # elements per 16 bytes: TMA needs 16-byte aligned strides
+
+    def qkv(batch, seqlen, heads):
+        stride = tuple(cute.sym_int64(divisibility=align) for _ in range(3)) + (1,)
+        return cute.runtime.make_fake_tensor(dt, (batch, seqlen, heads, d), stride,
+                                             assumed_align=16)
+
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    q, o = qkv(b, sq, h), qkv(b, sq, h)
+    k, v = qkv(b, sk, hk), qkv(b, sk, hk)
+    lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
+                                                stride_order=(2, 1, 0), assumed_align=4)
+    return q, k, v, o, lse, cute.runtime.make_fake_stream()
+
+
+def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels.sm90.fwd import FlashFwdSm90
+
+    if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
+        raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
+    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), FwdSm90Config.for_head_dim(d), causal)
+    q, k, v, o, lse, stream = _fake_args(dtype_name, d)
+    return cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), stream)
+
+
+def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool):
+    key = ("fwd", arch, dtype_name, d, causal)
+    with _cache_lock:
+        if key not in _cache:
+            _cache[key] = _compile_fwd(arch, dtype_name, d, causal)
+        return _cache[key]
+
+
+def fwd_variants():
+    """Every forward kernel variant the package ships: (dtype, head_dim, causal)."""
+    return [(dt, d, c) for dt in ("BFloat16", "Float16") for d in SUPPORTED_HEAD_DIMS
+            for c in (False, True)]
+
+
+def compile_all_variants(arch: str = DEFAULT_ARCH, variants=None):
+    """Compile (and cache) every kernel variant; returns [(name, seconds)]."""
+    done = []
+    for dt, d, c in variants or fwd_variants():
+        t0 = time.perf_counter()
+        get_fwd_kernel(arch, dt, d, c)
+        done.append((f"fwd_sm90_{dt}_d{d}{'_causal' if c else ''}", time.perf_counter() - t0))
+    return done
+
+
+def _device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        raise NotImplementedError(
+            f"flash_cute kernels target Hopper (sm_90a); this GPU is sm_{major}{minor}")
+    return "sm_90a"
+
+
+def _to_cute(t: torch.Tensor, align: int = 16):
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(
+        leading_dim=t.ndim - 1)
+
+
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool,
         window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -37,4 +129,22 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
                                  alibi_slopes=alibi_slopes, varlen=cu_seqlens_q is not None)
     if why is not None:
         raise NotImplementedError(f"flash_cute forward: unsupported option {why}")
-    raise NotImplementedError("flash_cute forward: the SM90 kernel is not wired in yet")
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if sk == 0:  # no keys: every row is fully masked
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    arch = _device_arch(q.device)
+    kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal))
+    import cuda.bindings.driver as cuda
+    import cutlass
+
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    kernel(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse, 4),
+           cutlass.Float32(softmax_scale * math.log2(math.e)), stream)
+    return out, lse

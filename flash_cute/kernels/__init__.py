@@ -1,0 +1,1 @@
+"""CuTe DSL kernels. ``common`` is shared by every architecture; ``sm90`` holds the Hopper kernels."""

@@ -1,0 +1,56 @@
+"""Register-fragment views for wgmma accumulators.
+
+An SM90 wgmma accumulator fragment of a (64, N) tile has, per thread, the layout
+((2, 2, N/8), MMA_M, MMA_N): two adjacent columns, two rows eight apart, N/8 column groups.
+Softmax wants rows and columns as two modes; the P @ V wgmma wants the same registers as its
+register-sourced A operand ((2, 2, 2), MMA_M, MMA_K). Both are re-views, no data moves.
+"""
+import cutlass.cute as cute
+
+
+def _col_major(layout: cute.Layout) -> cute.Layout:
+    return cute.make_layout(layout.shape)
+
+
+def acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), M, N) -> ((2, M), (2, V, N)): mode 0 walks rows, mode 1 walks columns."""
+    cm = _col_major(acc_layout)
+    rows = ((cm.shape[0][1], cm.shape[1]), (cm.stride[0][1], cm.stride[1]))
+    cols = ((cm.shape[0][0], cm.shape[0][2], cm.shape[2]),
+            (cm.stride[0][0], cm.stride[0][2], cm.stride[2]))
+    mn = cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1]))
+    return cute.composition(acc_layout, mn)
+
+
+def acc_as_mn(acc: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(acc.iterator, acc_mn_layout(acc.layout))
+
+
+def acc_operand_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), M, N) -> ((2, 2, 2), M, (V/2, N)): 16-bit A operand of a k16 wgmma.
+
+    For 16-bit types the k16 A fragment holds exactly the accumulator values of two adjacent
+    8-column groups, so P can feed the next wgmma straight from registers.
+    """
+    split = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    shape = ((split.shape[0][0], split.shape[0][1], split.shape[0][2][0]), split.shape[1],
+             (split.shape[0][2][1], split.shape[2]))
+    stride = ((split.stride[0][0], split.stride[0][1], split.stride[0][2][0]), split.stride[1],
+              (split.stride[0][2][1], split.stride[2]))
+    return cute.make_layout(shape, stride=stride)
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(acc.iterator, acc_operand_a_layout(acc.layout))
+
+
+def transpose_mn(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a shared-memory tensor (V as the (d, n) B operand of P @ V)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
+    """A view of ``t`` with its modes reordered (e.g. (b, s, h, d) -> (s, d, h, b))."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))

@@ -1,0 +1,74 @@
+"""Online softmax over accumulator rows, in the exp2 domain.
+
+Scores arrive unscaled; ``scale_log2 = softmax_scale * log2(e)`` is folded into one FFMA per
+element: p = exp2(s * scale_log2 - max * scale_log2). Each row of a wgmma accumulator is spread
+over the 4 threads of a quad, so row reductions are two butterfly shuffles. The row sum stays
+thread-local until ``finalize`` (the quad reduction is needed only once per tile).
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from .layout import acc_as_mn
+
+THREADS_PER_ROW = 4  # a wgmma accumulator row lives in one quad of lanes
+LN2 = math.log(2.0)
+
+
+class OnlineSoftmax:
+    """Running row max and row sum for the rows this thread owns."""
+
+    def __init__(self, scale_log2: Float32, num_rows: int):
+        self.scale_log2 = scale_log2
+        self.row_max = cute.make_rmem_tensor(num_rows, Float32)
+        self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
+
+    @cute.jit
+    def step(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """Turn scores into probabilities in place; return each row's rescale factor for O."""
+        s_mn = acc_as_mn(acc_S)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row = s_mn[r, None].load()
+            m_new = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            if const_expr(not is_first):
+                m_new = cute.arch.fmax(m_new, self.row_max[r])
+            m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=THREADS_PER_ROW)
+            # A row masked so far keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
+            m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
+            m_scaled = m_safe * self.scale_log2
+            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+            s_mn[r, None].store(p)
+            p_sum = p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if const_expr(is_first):
+                row_scale[r] = Float32(1.0)
+                self.row_sum[r] = p_sum
+            else:
+                scale = cute.math.exp2(self.row_max[r] * self.scale_log2 - m_scaled, fastmath=True)
+                row_scale[r] = scale
+                self.row_sum[r] = self.row_sum[r] * scale + p_sum
+            self.row_max[r] = m_new
+        return row_scale
+
+    @cute.jit
+    def finalize(self, lse: cute.Tensor) -> cute.Tensor:
+        """Write each row's natural-log LSE into ``lse``; return 1/row_sum (0 for empty rows)."""
+        inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=THREADS_PER_ROW)
+            empty = total == Float32(0.0) or total != total
+            inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+            lse[r] = (-Float32.inf if empty else
+                      (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True))
+                      * Float32(LN2))
+        return inv_sum
+
+
+@cute.jit
+def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
+    """acc[r, :] *= row_scale[r] for an accumulator viewed as rows x columns."""
+    acc_mn = acc_as_mn(acc)
+    for r in cutlass.range_constexpr(cute.size(row_scale)):
+        acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])

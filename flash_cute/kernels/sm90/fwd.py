@@ -1,0 +1,340 @@
+"""SM90 (Hopper) attention forward: TMA + wgmma, warp-specialized, online exp2 softmax.
+
+Warp roles (3 warpgroups, 384 threads):
+
+    WG0  load      warp 0 issues TMA: Q once per tile, then K and V blocks, last block first.
+                   setmaxnreg 24 (warps 1-3 idle).
+    WG1  consumer  query rows   0..63 of the tile  } S = Q K^T (wgmma, smem x smem)
+    WG2  consumer  query rows 64..127 of the tile  } softmax in registers (exp2, quad shuffles)
+                                                   } O += P V (wgmma, P from registers)
+                                                   } epilogue: O / rowsum -> smem -> TMA store,
+                                                     LSE (natural log) -> global
+                   setmaxnreg 240.
+
+Pipelines (cutlass.pipeline.PipelineTmaAsync: full barrier = 1 producer arrive + TMA bytes,
+empty barrier = one arrive per consumer warp):
+
+    pipe_q  load -> 8 consumer warps, 1 stage
+    pipe_k  load -> 8 consumer warps, kv_stages
+    pipe_v  load -> 8 consumer warps, kv_stages   (separate from K so QK^T starts before V lands)
+
+Named barriers: TURN_WG1/TURN_WG2 (256 threads) order the two warpgroups' GEMM issue
+(ping-pong: one warpgroup's softmax runs under the other's GEMMs); EPILOGUE (256 + 32) makes
+sO visible before warp 4 issues the TMA store.
+
+Per key block (intra-warpgroup overlap): issue S_next = Q K_next^T, then O += P_prev V_prev; wait
+for S_next; mask and softmax it while P V runs; rescale O. Masks only on the first block visited
+(ragged key tail, causal) and on blocks crossing the causal diagonal.
+
+Shared memory (2-byte elements): sQ tile_m*d, sK and sV kv_stages*tile_n*d each; sO aliases
+sQ (each warpgroup overwrites only its own, already consumed, Q rows).
+    d=64:  16K + 32K + 32K =  80 KB      d=128: 32K + 64K + 64K = 160 KB
+    d=192 (tile_n 112): 48K + 84K + 84K = 216 KB      d=256 (tile_n 80): 64K + 80K + 80K = 224 KB
+"""
+import enum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from ...config import FwdSm90Config
+from ..common import block_info, scheduler
+from ..common.layout import acc_as_mn, acc_as_operand_a, select_modes, transpose_mn
+from ..common.mask import apply_mask
+from ..common.softmax import OnlineSoftmax, rescale_rows
+from .wgmma import gemm, make_smem_layout
+
+WG_THREADS = 128
+NUM_CONSUMER_WG = 2
+LOAD_REGS = 24       # the load warp only issues TMA; give its registers to the consumers
+CONSUMER_REGS = 240  # 24*128 + 240*256 <= 64K registers per SM
+SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
+
+
+class Barrier(enum.IntEnum):
+    SYNC_THREADS = 0  # reserved by __syncthreads
+    EPILOGUE = 1
+    TURN_WG1 = 2      # TURN_WG1 + i: consumer warpgroup i may issue its GEMMs
+    TURN_WG2 = 3
+
+
+class FlashFwdSm90:
+    def __init__(self, dtype, cfg: FwdSm90Config, causal: bool):
+        self.dtype = dtype
+        self.cfg = cfg
+        self.causal = causal
+        self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
+        if self.tile_m != 64 * NUM_CONSUMER_WG:
+            raise ValueError(f"tile_m must be {64 * NUM_CONSUMER_WG}, got {self.tile_m}")
+        self.num_threads = WG_THREADS * (1 + NUM_CONSUMER_WG)
+
+    # ------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, scale_log2: Float32, stream: cuda.CUstream):
+        """mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32."""
+        # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
+        mQ, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mO)]
+        mK, mV = [select_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
+        mLSE = select_modes(mLSE, [2, 1, 0])
+        dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.kv_stages
+
+        mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, tn))
+        mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, d),
+            a_source=warpgroup.OperandSource.RMEM)
+
+        sQ_layout = make_smem_layout(dt, (tm, d))
+        sK_layout = make_smem_layout(dt, (tn, d), stages)
+        sV_layout = make_smem_layout(dt, (tn, d), stages)
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (tm, d))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]), (tn, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mV, cute.select(sV_layout, mode=[0, 1]), (tn, d))
+        tma_o, tma_mO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (tm, d))
+        self.q_bytes = cute.size_in_bytes(dt, sQ_layout)
+        self.kv_bytes = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN]
+
+        self.shared_storage = SharedStorage
+        num_m_blocks = cute.ceil_div(mQ.shape[0], tm)
+        self.kernel(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, tma_q, tma_k, tma_v, tma_o,
+                    scale_log2, sQ_layout, sK_layout, sV_layout, mma_qk, mma_pv).launch(
+            grid=scheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3]),
+            block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
+               tma_v: cute.CopyAtom, tma_o: cute.CopyAtom, scale_log2: Float32,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WG * 4)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
+        pipe_k, pipe_v = [pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar.data_ptr(), num_stages=self.cfg.kv_stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.kv_bytes,
+            defer_sync=True) for mbar in (storage.mbar_k, storage.mbar_v)]
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        m_block, head, batch = scheduler.current_tile(num_m_blocks, self.causal)
+        n_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                       self.causal)
+
+        if warp_idx // 4 == 0:
+            cute.arch.setmaxregister_decrease(LOAD_REGS)
+            if warp_idx == 0:
+                head_kv = head // (mQ.shape[2] // mK.shape[2])
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                          m_block, head, head_kv, batch, n_max)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k, pipe_v,
+                         scale_log2, m_block, head, batch, n_max, seqlen_q, seqlen_k)
+
+    @cute.jit
+    def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
+             sK: cute.Tensor, sV: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
+             tma_v: cute.CopyAtom, pipe_q, pipe_k, pipe_v, m_block: Int32, head: Int32,
+             head_kv: Int32, batch: Int32, n_max: Int32):
+        """Producer: K[last], Q, then K[n-1] ahead of V[n], matching the consumers' order."""
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+        no_cluster = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, no_cluster, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, no_cluster, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, no_cluster, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.kv_stages)
+        q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_k.producer_acquire(kv)
+        cute.copy(tma_k, tKgK[None, n_max - 1], tKsK[None, kv.index],
+                  tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+        pipe_q.producer_acquire(q)
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q))
+        for i in cutlass.range(n_max - 1, unroll=1):
+            n_prev = n_max - 1 - i
+            kv_prev = kv.clone()
+            kv.advance()
+            pipe_k.producer_acquire(kv)
+            cute.copy(tma_k, tKgK[None, n_prev - 1], tKsK[None, kv.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+            pipe_v.producer_acquire(kv_prev)
+            cute.copy(tma_v, tVgV[None, n_prev], tVsV[None, kv_prev.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_prev))
+        pipe_v.producer_acquire(kv)
+        cute.copy(tma_v, tVgV[None, 0], tVsV[None, kv.index],
+                  tma_bar_ptr=pipe_v.producer_get_barrier(kv))
+
+    @cute.jit
+    def consume(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mO: cute.Tensor,
+                mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                tma_o: cute.CopyAtom, pipe_q, pipe_k, pipe_v, scale_log2: Float32,
+                m_block: Int32, head: Int32, batch: Int32, n_max: Int32, seqlen_q: Int32,
+                seqlen_k: Int32):
+        """Consumer warpgroups: the attention main loop, then the epilogue."""
+        tidx = cute.arch.thread_idx()[0] - WG_THREADS
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wg_mma_qk = mma_qk.get_slice(wg * WG_THREADS)
+        wg_mma_pv = mma_pv.get_slice(wg * WG_THREADS)
+        tSrQ = mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrV = mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_mn(sV)))
+        tSrS = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+                                     Float32)
+        tOrO = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.d)), Float32)
+        tOrP = mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        tScS = mma_qk.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_as_mn(tSrS), mode=[0]))
+        mask = lambda n_block: apply_mask(tSrS, tScS, m_block, n_block, self.tile_m,  # noqa: E731
+                                          self.tile_n, seqlen_q, seqlen_k, self.causal)
+        if const_expr(self.cfg.pingpong):
+            if wg == 0:  # warpgroup 0 takes the first turn
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.TURN_WG1),
+                                         number_of_threads=2 * WG_THREADS)
+
+        # First block (the last key block): always masked, no P V yet.
+        q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.kv_stages)
+        pipe_q.consumer_wait(q)
+        pipe_k.consumer_wait(kv)
+        gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait_group=0)
+        pipe_k.consumer_release(kv)
+        mask(n_max - 1)
+        softmax.step(tSrS, is_first=True)
+        tOrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+        tOrO.fill(0.0)
+
+        # Blocks crossing the causal diagonal, then blocks that need no mask.
+        n_unmasked_end = n_max - 1
+        if const_expr(self.causal):
+            n_unmasked_end = cutlass.min(
+                n_max - 1, block_info.n_block_min_causal_mask(
+                    m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k))
+            for i in cutlass.range(n_max - 1 - n_unmasked_end, unroll=1):
+                kv = self.mma_block(n_max - 2 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ,
+                                    tSrK, tOrV, softmax, pipe_k, pipe_v, wg, mask)
+        for i in cutlass.range(n_unmasked_end, unroll=1):
+            kv = self.mma_block(n_unmasked_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
+                                tSrQ, tSrK, tOrV, softmax, pipe_k, pipe_v, wg, None)
+
+        # Last P V.
+        pipe_v.consumer_wait(kv)
+        gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv.index], zero_init=False, wait_group=0)
+        pipe_v.consumer_release(kv)
+
+        self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sQ, tma_o, tidx, m_block, head, batch,
+                      seqlen_q)
+
+    @cute.jit
+    def mma_block(self, n_block: Int32, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ, tSrK, tOrV,
+                  softmax: OnlineSoftmax, pipe_k, pipe_v, wg: Int32, mask):
+        """One key block with intra-warpgroup overlap: S_n = Q K_n^T runs beside O += P V_prev."""
+        kv_prev = kv.clone()
+        kv.advance()
+        pipe_k.consumer_wait(kv)
+        self.wait_turn(wg)
+        gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True,
+             wait_group=-1)
+        pipe_v.consumer_wait(kv_prev)
+        gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv_prev.index], zero_init=False,
+             wait_group=-1)
+        self.pass_turn(wg)
+        warpgroup.wait_group(1)  # S_n is ready; P V may still run
+        pipe_k.consumer_release(kv)
+        if const_expr(mask is not None):
+            mask(n_block)
+        row_scale = softmax.step(tSrS, is_first=False)
+        warpgroup.wait_group(0)  # P is about to be overwritten
+        pipe_v.consumer_release(kv_prev)
+        tOrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+        rescale_rows(tOrO, row_scale)
+        return kv
+
+    def wait_turn(self, wg):
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=int(Barrier.TURN_WG1) + wg,
+                              number_of_threads=2 * WG_THREADS)
+
+    def pass_turn(self, wg):
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.TURN_WG1) + 1 - wg,
+                                     number_of_threads=2 * WG_THREADS)
+
+    @cute.jit
+    def epilogue(self, mma_pv: cute.TiledMma, tOrO: cute.Tensor, softmax: OnlineSoftmax,
+                 mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom,
+                 tidx: Int32, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32):
+        """O / rowsum -> sO (stmatrix) -> TMA store (clips rows past seqlen_q); LSE -> global."""
+        lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
+        rescale_rows(tOrO, softmax.finalize(lse))
+        rO = cute.make_rmem_tensor_like(tOrO, self.dtype)
+        rO.store(tOrO.load().to(self.dtype))
+
+        store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                         self.dtype)
+        thr_store = cute.make_tiled_copy_C(store_atom, mma_pv).get_slice(tidx)
+        cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO))
+
+        # LSE: the thread holding column 0 of a row writes it.
+        thr_mma = mma_pv.get_slice(tidx)
+        tOcO = acc_as_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+        gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (m_block,))
+        if tOcO[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tOcO[r, 0][0]
+                if m_block * self.tile_m + row < seqlen_q:
+                    gLSE[row] = lse[r]
+
+        # Make the stmatrix writes visible to the TMA (async proxy), then one warp stores.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        store_threads = NUM_CONSUMER_WG * WG_THREADS + 32
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.EPILOGUE), number_of_threads=store_threads)
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
+            cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=store_threads)
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+            cute.copy(tma_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

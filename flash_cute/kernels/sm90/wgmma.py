@@ -1,0 +1,34 @@
+"""Thin wrappers over SM90 warpgroup MMA used by every Hopper kernel."""
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+
+def make_smem_layout(dtype, shape, stages=None):
+    """A 128B/64B/32B-swizzled row-major shared-memory tile, optionally with a stage mode."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, shape[1]), dtype)
+    full = shape if stages is None else (*shape, stages)
+    return cute.tile_to_shape(atom, full, order=(0, 1) if stages is None else (0, 1, 2))
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+         zero_init: cutlass.Constexpr[bool], wait_group: cutlass.Constexpr[int]):
+    """acc (+)= A @ B over every k block, issued as one wgmma group.
+
+    ``wait_group`` >= 0 waits until at most that many groups are in flight; -1 returns at once so
+    the caller can overlap other work with the tensor cores.
+    """
+    warpgroup.fence()
+    # A fresh atom: its ACCUMULATE field is mutated per k block.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait_group >= 0):
+        warpgroup.wait_group(wait_group)
