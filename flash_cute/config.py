@@ -13,6 +13,7 @@ class FwdSm90Config:
     kv_stages: int = 2
     intra_wg_overlap: bool = True   # issue the next QK^T before this block's softmax
     pingpong: bool = True           # named-barrier ordering of the two warpgroups' GEMMs
+    longest_first: bool = True      # causal: launch the tiles with the most key blocks first
 
     @staticmethod
     def for_head_dim(d: int) -> "FwdSm90Config":

@@ -151,7 +151,8 @@ class FlashFwdSm90:
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        m_block, head, batch = scheduler.current_tile(num_m_blocks, self.causal)
+        m_block, head, batch = scheduler.current_tile(
+            num_m_blocks, self.causal and self.cfg.longest_first)
         n_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                        self.causal)
 
