@@ -148,3 +148,17 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     kernel(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse, 4),
            cutlass.Float32(softmax_scale * math.log2(math.e)), stream)
     return out, lse
+
+
+def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool) -> bytes:
+    """The cubin of one forward variant (for SASS checks; writes a *.cubin into the cwd)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels.sm90.fwd import FlashFwdSm90
+
+    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), FwdSm90Config.for_head_dim(d), causal)
+    q, k, v, o, lse, stream = _fake_args(dtype_name, d)
+    compiled = cute.compile[cute.KeepCUBIN()](kernel, q, k, v, o, lse, cutlass.Float32(1.0),
+                                              stream)
+    return compiled.__cubin__

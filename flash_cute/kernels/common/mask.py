@@ -24,5 +24,5 @@ def apply_mask(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: I
             row = m_block * tile_m + c_mn[r, 0][0]
             limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q - col_base)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            if c_mn[r, c][1] >= limit:
-                s_mn[r, c] = -Float32.inf
+            # A select per element; an `if` here makes the compiler move whole fragments.
+            s_mn[r, c] = s_mn[r, c] if c_mn[r, c][1] < limit else -Float32.inf
