@@ -598,7 +598,7 @@ def _bench_shape_in_child(shape: Shape, args) -> list[dict]:
                "--causal", str(int(shape.causal)), "--total-tokens", str(args.total_tokens),
                "--dir", *args.dir, "--impl", *args.impl, "--reps", str(args.reps),
                "--warmup", str(args.warmup), "--out", out, "--plot", "", "--no-progress",
-               "--quiet"]
+               "--quiet", "--device", args.device]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout)
             tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-1:] or [""]
@@ -727,6 +727,8 @@ def main(argv=None) -> int:
         return 0
     payload = run_grid(args)
     records = payload["records"]
+    if args.out:
+        write_json(args.out, payload)
     if args.quiet:
         return 0
     print(summarize(records))
