@@ -164,32 +164,53 @@ class CudaContextLost(RuntimeError):
         self.records = records
 
 
-def time_cuda_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` calls, each bracketed by CUDA events."""
+@dataclass
+class Timing:
+    """What ``time_ms`` settings a run uses; ``cell_seconds`` caps one cell's wall time."""
+    warmup: int = 5
+    reps: int = 20
+    cell_seconds: float = 0.0  # 0: no cap
+
+
+def time_ms(fn: Callable[[], object], timing: Timing, cuda: bool = True) -> tuple[float, int]:
+    """Median milliseconds of ``fn`` and the number of timed calls it is the median of.
+
+    On CUDA each call is bracketed by its own pair of events; on CPU (harness tests only) by
+    perf_counter. The first call may JIT-compile, so it is never timed; the second gives a
+    per-call estimate that, with ``cell_seconds``, trims warm-up and reps (to no fewer than 3)
+    so that one slow cell (say, an unfused backward at 16k) cannot eat a whole run's budget."""
     import torch
-    for _ in range(max(1, warmup)):  # at least one: the first call may JIT-compile
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    estimate = time.perf_counter() - t
+    warmup, reps = max(0, timing.warmup - 2), timing.reps
+    if timing.cell_seconds > 0:
+        calls = int(timing.cell_seconds / max(estimate, 1e-6))
+        reps = max(3, min(reps, calls))
+        warmup = min(warmup, max(0, calls - reps))
+    for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()  # also surfaces asynchronous kernel faults inside this cell
-    return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def time_cpu_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    """Wall-clock stand-in for ``time_cuda_ms``, so the harness itself can be tested on CPU."""
-    for _ in range(max(1, warmup)):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    sync()
+    if cuda:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        sync()  # also surfaces asynchronous kernel faults inside this cell
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times), reps
 
 
 def _cuda_alive(device: str = "cuda") -> bool:
@@ -204,10 +225,10 @@ def _cuda_alive(device: str = "cuda") -> bool:
         return False
 
 
-def _time_direction(run, layout, q, k, v, dout, causal, direction, warmup, reps):
-    """Returns (ms, out in bshd layout or None). Layout changes happen outside the timed calls."""
+def _time_direction(run, layout, q, k, v, dout, causal, direction, timing: Timing):
+    """Returns (ms, reps, out in bshd layout or None). Layout changes happen outside the timed
+    calls."""
     import torch
-    time_ms = time_cuda_ms if q.is_cuda else time_cpu_ms
 
     def to(t):  # bshd <-> bhsd is the same transpose both ways; a view, no copy
         return t.transpose(1, 2) if layout == "bhsd" else t
@@ -215,15 +236,15 @@ def _time_direction(run, layout, q, k, v, dout, causal, direction, warmup, reps)
     if direction == "fwd":
         qi, ki, vi = to(q), to(k), to(v)
         with torch.no_grad():
-            ms = time_ms(lambda: run(qi, ki, vi, causal), warmup, reps)
+            ms, reps = time_ms(lambda: run(qi, ki, vi, causal), timing, q.is_cuda)
             out = to(run(qi, ki, vi, causal))
-        return ms, out
+        return ms, reps, out
     qi, ki, vi = (to(t).detach().requires_grad_() for t in (q, k, v))
     out = run(qi, ki, vi, causal)
     do = to(dout)
-    ms = time_ms(lambda: torch.autograd.grad(out, (qi, ki, vi), do, retain_graph=True),
-                 warmup, reps)
-    return ms, None
+    ms, reps = time_ms(lambda: torch.autograd.grad(out, (qi, ki, vi), do, retain_graph=True),
+                       timing, q.is_cuda)
+    return ms, reps, None
 
 
 def _error_fields(e: BaseException) -> dict:
@@ -244,8 +265,8 @@ def _runner(impl: Impl, runners: dict) -> Callable:
     return run
 
 
-def bench_shape(shape: Shape, impls: list[Impl], directions, warmup: int, reps: int,
-                runners: dict, device: str = "cuda") -> list[dict]:
+def bench_shape(shape: Shape, impls: list[Impl], directions, timing: Timing, runners: dict,
+                device: str = "cuda") -> list[dict]:
     """All (impl, direction) cells of one shape, as records. ``runners`` caches lazy imports."""
     import torch
     dtype = getattr(torch, DTYPES[shape.dtype])
@@ -264,9 +285,9 @@ def bench_shape(shape: Shape, impls: list[Impl], directions, warmup: int, reps: 
                 try:
                     run = _runner(impl, runners)
                     with impl.context():
-                        ms, out = _time_direction(run, impl.layout, q, k, v, dout,
-                                                  shape.causal, direction, warmup, reps)
-                    rec.update(ms=ms, tflops=tflops(rec["flops"], ms))
+                        ms, n, out = _time_direction(run, impl.layout, q, k, v, dout,
+                                                     shape.causal, direction, timing)
+                    rec.update(ms=ms, tflops=tflops(rec["flops"], ms), reps=n)
                     if out is not None:
                         outs[impl.name] = out
                 except Exception as e:  # one implementation's failure never ends the run
@@ -278,7 +299,11 @@ def bench_shape(shape: Shape, impls: list[Impl], directions, warmup: int, reps: 
                 out = None
                 records.append(rec)
                 gc.collect()
-        _cross_check(records, outs)
+        try:
+            _cross_check(records, outs)
+        except Exception as e:  # informational only: never lose the timings over it
+            fc = next(r for r in records if r["impl"] == "flash_cute")
+            fc["cross_check_error"] = f"{type(e).__name__}: {e}"[:300]
     finally:
         del q, k, v, dout
         outs.clear()
@@ -597,7 +622,8 @@ def _bench_shape_in_child(shape: Shape, args) -> list[dict]:
                "--d", str(shape.d), "--seqlen", str(shape.seqlen),
                "--causal", str(int(shape.causal)), "--total-tokens", str(args.total_tokens),
                "--dir", *args.dir, "--impl", *args.impl, "--reps", str(args.reps),
-               "--warmup", str(args.warmup), "--out", out, "--plot", "", "--no-progress",
+               "--warmup", str(args.warmup), "--cell-seconds", str(args.cell_seconds),
+               "--out", out, "--plot", "", "--no-progress",
                "--quiet", "--device", args.device]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.cell_timeout)
@@ -627,6 +653,7 @@ def run_grid(args, emit=print) -> dict:
         emit("bench: no CUDA device; nothing to measure")
         return payload
     t0, runners, lost = time.time(), {}, None
+    timing = Timing(args.warmup, args.reps, args.cell_seconds)
     bar = progress_bar(len(shapes), args.progress)
     if not args.quiet:
         bar.write(table_header(args.impl))
@@ -642,13 +669,16 @@ def run_grid(args, emit=print) -> dict:
                 recs = _bench_shape_in_child(shape, args)
             else:
                 try:
-                    recs = bench_shape(shape, impls, args.dir, args.warmup, args.reps, runners,
-                                       args.device)
+                    recs = bench_shape(shape, impls, args.dir, timing, runners, args.device)
                 except CudaContextLost as e:
                     lost = f"CUDA context lost at {shape.label()}: {e}"
                     done = {(r["impl"], r["direction"]) for r in e.records}
                     recs = e.records + [r for r in _skipped(shape, impls, args.dir, "Skipped")
                                         if (r["impl"], r["direction"]) not in done]
+                except Exception as e:  # e.g. OOM allocating this shape's inputs
+                    recs = _skipped(shape, impls, args.dir, type(e).__name__)
+                    if not _cuda_alive(args.device):
+                        lost = f"CUDA context lost at {shape.label()}: {e}"
             payload["records"] += recs
             if not args.quiet:
                 for row in format_shape_rows(recs, args.impl):
@@ -679,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", nargs="+", choices=IMPLS, help="default: all")
     p.add_argument("--reps", type=int, help="timed calls per cell (median; default 20)")
     p.add_argument("--warmup", type=int, help="untimed calls first (default 5)")
+    p.add_argument("--cell-seconds", type=float, default=15.0,
+                   help="cap on one cell's timing loop: fewer reps (>= 3) for slow cells; "
+                        "0 = no cap (default 15)")
     p.add_argument("--total-tokens", type=int, default=16384,
                    help="batch = total_tokens // seqlen (default 16384)")
     p.add_argument("--quick", action="store_true", help="a tiny grid for smoke runs")

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 
 import pytest
@@ -187,8 +188,8 @@ def test_bench_shape_on_cpu_catches_errors_and_cross_checks(monkeypatch):
     monkeypatch.setattr(bench, "_load_fa4", broken)
     shape = bench.make_shape("bf16", 64, 32, True, 64)
     impls = bench.get_impls(["flash_cute", "cudnn", "fa2", "fa4"])
-    recs = bench.bench_shape(shape, impls, ["fwd", "bwd"], warmup=1, reps=2, runners={},
-                             device="cpu")
+    recs = bench.bench_shape(shape, impls, ["fwd", "bwd"], bench.Timing(warmup=1, reps=2),
+                             runners={}, device="cpu")
     by = {(r["impl"], r["direction"]): r for r in recs}
     assert len(recs) == 8
     for direction in ("fwd", "bwd"):
@@ -201,6 +202,22 @@ def test_bench_shape_on_cpu_catches_errors_and_cross_checks(monkeypatch):
     assert fc["finite"] is True and set(fc["max_abs_diff"]) == {"fa2"}
     assert fc["max_abs_diff"]["fa2"] < 0.05
     assert "n/a" in "\n".join(bench.format_shape_rows(recs, list(bench.IMPLS)))
+
+
+def test_timing_counts_and_cell_cap():
+    calls = []
+    ms, reps = bench.time_ms(lambda: calls.append(1), bench.Timing(warmup=5, reps=7), cuda=False)
+    assert reps == 7 and len(calls) == 5 + 7 and ms >= 0
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.02)
+
+    calls.clear()
+    ms, reps = bench.time_ms(slow, bench.Timing(warmup=5, reps=20, cell_seconds=0.05),
+                             cuda=False)
+    assert reps == 3 and len(calls) == 2 + 3  # two first calls, no more warm-up, 3 timed
+    assert ms >= 20
 
 
 def test_failed_import_is_remembered(monkeypatch):
@@ -230,6 +247,29 @@ def test_main_on_cpu_device_writes_json(tmp_path, monkeypatch, capsys):
     assert len(payload["records"]) == 4 and "env" in payload["meta"]
     assert all(r["error"] is None for r in payload["records"])
     assert "geomean" in capsys.readouterr().out
+
+
+def test_lost_cuda_context_stops_the_run(tmp_path, monkeypatch, capsys):
+    """After a sticky CUDA fault nothing can be trusted: the rest is marked Skipped, the JSON
+    still holds what was measured, and the run ends normally."""
+    def faulty():
+        def run(q, k, v, causal):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return run
+
+    monkeypatch.setattr(bench, "_load_flash_cute", faulty)
+    monkeypatch.setattr(bench, "_cuda_alive", lambda device="cuda": False)
+    out = tmp_path / "b.json"
+    rc = bench.main(["--device", "cpu", "--d", "64", "--seqlen", "16", "32", "--causal", "0",
+                     "--total-tokens", "32", "--impl", "flash_cute", "fa2", "--reps", "1",
+                     "--warmup", "1", "--out", str(out), "--plot", "", "--no-progress"])
+    assert rc == 0
+    payload = json.loads(out.read_text())
+    errors = [(r["seqlen"], r["impl"], r["direction"], r["error"]) for r in payload["records"]]
+    assert errors[0] == (16, "flash_cute", "fwd", "RuntimeError")
+    assert all(e[3] == "Skipped" for e in errors[1:]) and len(errors) == 8
+    assert "CUDA context lost" in payload["meta"]["stopped"]
+    assert "stopped early" in capsys.readouterr().out
 
 
 def test_main_without_cuda_measures_nothing(tmp_path, capsys):
