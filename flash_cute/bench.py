@@ -523,7 +523,7 @@ def plot_results(records: list[dict], path: str) -> str:
                 ax.set_xlabel("seqlen")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=len(impls), frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / len(rows)))  # room for the legend on top
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))  # 0.4 in. for the legend
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
