@@ -1,7 +1,10 @@
-"""Experiment harness: time forward-kernel config variants side by side (one process, one GPU).
+"""Experiment harness: time forward-kernel variants side by side (one process, one GPU).
 
     python bench/exp_fwd.py
-Edit VARIANTS to change what is compared; every variant is checked against the oracle first.
+A variant is a config override plus an optional scheduler section size ("section": 1 gives the
+m-block-fastest order, "all" one section of every head). Variants are timed interleaved over
+several rounds and the median per variant is printed, so clock and neighbour drift hit all alike.
+Every variant is checked against the oracle first.
 """
 import dataclasses
 import math
@@ -10,36 +13,40 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
+from check_fwd import timeit
 from flash_cute import dispatch
-from flash_cute.config import FwdSm90Config
+from flash_cute.config import FwdSm90Config, heads_per_section
 from flash_cute.kernels.sm90.fwd import FlashFwdSm90
 from flash_cute.reference import attention_ref, check_close
-from check_fwd import timeit
 
 VARIANTS = {
-    "base": {},
-    "no_pingpong": {"pingpong": False},
-    "no_lpt": {"longest_first": False},
+    "sec_auto": {},
+    "sec_1": {"section": 1},
+    "sec_all": {"section": "all"},
 }
-SHAPES = [(128, 16384, True), (128, 4096, True), (128, 16384, False), (256, 16384, True),
-          (128, 1024, False)]
+SHAPES = [(128, 16384, True), (128, 4096, True), (128, 16384, False), (256, 8192, True),
+          (64, 8192, True), (128, 1024, False)]
+ROUNDS = 5
 
 
 def compile_variant(d, causal, **kw):
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **kw)
     kernel = FlashFwdSm90(cutlass.BFloat16, cfg, causal)
     args = dispatch._fake_args("BFloat16", d)
-    return cute.compile(kernel, *args[:5], cutlass.Float32(1.0), args[5])
+    return cute.compile(kernel, *args[:5], cutlass.Float32(1.0), cutlass.Int32(1), args[5])
 
 
-def run(compiled, q, k, v, causal):
+def run(compiled, q, k, v, section=None):
     import cuda.bindings.driver as cuda
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
+    num_hb = q.shape[0] * q.shape[2]
+    sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb), "all": num_hb}.get(
+        section, section)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     c = dispatch._to_cute
     compiled(c(q), c(k), c(v), c(out), c(lse, 4),
-             cutlass.Float32(q.shape[-1] ** -0.5 * math.log2(math.e)), stream)
+             cutlass.Float32(q.shape[-1] ** -0.5 * math.log2(math.e)), cutlass.Int32(sec), stream)
     return out
 
 
@@ -47,15 +54,21 @@ for d, s, causal in SHAPES:
     b, h = 16384 // s, 2048 // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * b * s * s * h * d / (2 if causal else 1)
-    cells = []
+    fns = {}
     for name, kw in VARIANTS.items():
+        kw = dict(kw)
+        section = kw.pop("section", None)
         comp = compile_variant(d, causal, **kw)
-        out = run(comp, q[:1, :1024], k[:1, :1024], v[:1, :1024], causal)
-        ref, _ = attention_ref(q[:1, :1024], k[:1, :1024], v[:1, :1024], causal=causal)
-        low, _ = attention_ref(q[:1, :1024], k[:1, :1024], v[:1, :1024], causal=causal, upcast=False)
-        check_close(out, ref, low)
-        t = timeit(lambda: run(comp, q, k, v, causal))
-        cells.append(f"{name}={flops / t / 1e9:.0f}")
+        qs, ks, vs = (t[:2, :777] for t in (q, k, v))
+        ref, _ = attention_ref(qs, ks, vs, causal=causal)
+        low, _ = attention_ref(qs, ks, vs, causal=causal, upcast=False)
+        check_close(run(comp, qs, ks, vs, section), ref, low)
+        fns[name] = (lambda comp=comp, section=section: run(comp, q, k, v, section))
+    times = {n: [] for n in fns}
+    for _ in range(ROUNDS):
+        for n, fn in fns.items():
+            times[n].append(timeit(fn, reps=10))
+    cells = [f"{n}={flops / sorted(t)[len(t) // 2] / 1e9:.0f}" for n, t in times.items()]
     print(f"d={d} s={s} causal={int(causal)}: " + " ".join(cells), flush=True)
 
 # Host overhead per call: tiny problem, back-to-back calls, host clock.

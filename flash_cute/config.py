@@ -23,3 +23,17 @@ class FwdSm90Config:
         # larger d forces a narrower key block.
         tile_n = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}[d]
         return FwdSm90Config(head_dim=d, tile_n=tile_n)
+
+
+L2_BYTES_FOR_KV = 50 * 1024 * 1024  # H200 L2 is 60 MB (H100 50 MB); leave room for Q and O
+
+
+def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int) -> int:
+    """Largest power of two of (K, V) heads whose keys and values fit in L2 together (>= 1).
+
+    The tile scheduler launches one such section of heads before the next, so CTAs running
+    at the same time re-read K/V from L2 rather than from HBM.
+    """
+    per_head = max(seqlen_k * head_dim * 2 * elem_bytes, 1)
+    n = max(L2_BYTES_FOR_KV // per_head, 1)
+    return min(1 << (n.bit_length() - 1), max(num_hb, 1))

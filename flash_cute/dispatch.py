@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .config import SUPPORTED_HEAD_DIMS, FwdSm90Config
+from .config import SUPPORTED_HEAD_DIMS, FwdSm90Config, heads_per_section
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
@@ -75,7 +75,7 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool):
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), FwdSm90Config.for_head_dim(d), causal)
     q, k, v, o, lse, stream = _fake_args(dtype_name, d)
-    return cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), stream)
+    return cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1), stream)
 
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool):
@@ -146,7 +146,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
 
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     kernel(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse, 4),
-           cutlass.Float32(softmax_scale * math.log2(math.e)), stream)
+           cutlass.Float32(softmax_scale * math.log2(math.e)),
+           cutlass.Int32(heads_per_section(sk, d, q.element_size(), b * h)), stream)
     return out, lse
 
 
@@ -160,5 +161,5 @@ def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool) -> bytes:
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), FwdSm90Config.for_head_dim(d), causal)
     q, k, v, o, lse, stream = _fake_args(dtype_name, d)
     compiled = cute.compile[cute.KeepCUBIN()](kernel, q, k, v, o, lse, cutlass.Float32(1.0),
-                                              stream)
+                                              cutlass.Int32(1), stream)
     return compiled.__cubin__

@@ -75,7 +75,8 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, scale_log2: Float32, stream: cuda.CUstream):
+                 mLSE: cute.Tensor, scale_log2: Float32, heads_per_section: Int32,
+                 stream: cuda.CUstream):
         """mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         mQ, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mO)]
@@ -117,7 +118,8 @@ class FlashFwdSm90:
         self.shared_storage = SharedStorage
         num_m_blocks = cute.ceil_div(mQ.shape[0], tm)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, tma_q, tma_k, tma_v, tma_o,
-                    scale_log2, sQ_layout, sK_layout, sV_layout, mma_qk, mma_pv).launch(
+                    scale_log2, heads_per_section, sQ_layout, sK_layout, sV_layout, mma_qk,
+                    mma_pv).launch(
             grid=scheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3]),
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -126,7 +128,7 @@ class FlashFwdSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_v: cute.CopyAtom, tma_o: cute.CopyAtom, scale_log2: Float32,
-               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               heads_per_section: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -153,7 +155,8 @@ class FlashFwdSm90:
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         m_block, head, batch = scheduler.current_tile(
-            num_m_blocks, self.causal and self.cfg.longest_first)
+            num_m_blocks, mQ.shape[2], mQ.shape[2] * mQ.shape[3], heads_per_section,
+            self.causal and self.cfg.longest_first)
         n_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                        self.causal)
 
