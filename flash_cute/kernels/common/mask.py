@@ -11,18 +11,26 @@ from .layout import acc_as_mn
 
 
 @cute.jit
-def apply_mask(acc_S: cute.Tensor, tScS: cute.Tensor, m_block: Int32, n_block: Int32,
-               tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
+def apply_mask(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_block: Int32,
+               n_block: Int32, tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
                seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr[bool]):
-    """Set masked scores to -inf. ``tScS`` holds this thread's (row, col) tile coordinates."""
+    """Set masked scores to -inf.
+
+    ``tScS`` holds this thread's (row, col) tile coordinates and ``t0ScS`` thread 0's. A thread's
+    coordinates are thread 0's shifted by a fixed offset, so comparing the compile-time ``t0ScS``
+    against a limit shifted once per row keeps the per-element work to one compare-select and
+    keeps the coordinates out of registers (which otherwise starve the wgmma pipeline).
+    """
     s_mn = acc_as_mn(acc_S)
     c_mn = acc_as_mn(tScS)
-    col_base = n_block * tile_n
+    c0_mn = acc_as_mn(t0ScS)
+    row0, col0 = c_mn[0, 0][0], c_mn[0, 0][1]
+    col_limit = seqlen_k - n_block * tile_n - col0  # in thread-0 column coordinates
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        limit = seqlen_k - col_base  # first column (tile-local) that is out of bounds
+        limit = col_limit
         if const_expr(causal):
-            row = m_block * tile_m + c_mn[r, 0][0]
-            limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q - col_base)
+            row = m_block * tile_m + row0 + c0_mn[r, 0][0]
+            limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q - n_block * tile_n - col0)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             # A select per element; an `if` here makes the compiler move whole fragments.
-            s_mn[r, c] = s_mn[r, c] if c_mn[r, c][1] < limit else -Float32.inf
+            s_mn[r, c] = s_mn[r, c] if c0_mn[r, c][1] < limit else -Float32.inf

@@ -227,11 +227,13 @@ class FlashFwdSm90:
                                      Float32)
         tOrO = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.d)), Float32)
         tOrP = mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        tScS = mma_qk.get_slice(tidx).partition_C(
-            cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = mma_qk.get_slice(tidx).partition_C(cS)
+        t0ScS = mma_qk.get_slice(0).partition_C(cS)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_as_mn(tSrS), mode=[0]))
-        mask = lambda n_block: apply_mask(tSrS, tScS, m_block, n_block, self.tile_m,  # noqa: E731
-                                          self.tile_n, seqlen_q, seqlen_k, self.causal)
+        mask = lambda n_block: apply_mask(  # noqa: E731
+            tSrS, tScS, t0ScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+            self.causal)
         if const_expr(self.cfg.pingpong):
             if wg == 0:  # warpgroup 0 takes the first turn
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.TURN_WG1),
@@ -284,7 +286,12 @@ class FlashFwdSm90:
         gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv_prev.index], zero_init=False,
              wait_group=-1)
         self.pass_turn(wg)
-        warpgroup.wait_group(1)  # S_n is ready; P V may still run
+        if const_expr(mask is None):
+            warpgroup.wait_group(1)  # S_n is ready; P V may still run under the softmax
+        else:
+            # Masked blocks are the few on the diagonal: finish P V first, or the mask's
+            # registers on top of the in-flight accumulators make ptxas serialize every wgmma.
+            warpgroup.wait_group(0)
         pipe_k.consumer_release(kv)
         if const_expr(mask is not None):
             mask(n_block)
