@@ -20,9 +20,8 @@ from flash_cute.kernels.sm90.fwd import FlashFwdSm90
 from flash_cute.reference import attention_ref, check_close
 
 VARIANTS = {
-    "sec_auto": {},
-    "sec_1": {"section": 1},
-    "sec_all": {"section": "all"},
+    "base": {},
+    "pingpong": {"pingpong": True},
 }
 SHAPES = [(128, 16384, True), (128, 4096, True), (128, 16384, False), (256, 8192, True),
           (64, 8192, True), (128, 1024, False)]
@@ -32,8 +31,7 @@ ROUNDS = 5
 def compile_variant(d, causal, **kw):
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **kw)
     kernel = FlashFwdSm90(cutlass.BFloat16, cfg, causal)
-    args = dispatch._fake_args("BFloat16", d)
-    return cute.compile(kernel, *args[:5], cutlass.Float32(1.0), cutlass.Int32(1), args[5])
+    return cute.compile(kernel.launch, *dispatch._fake_launch_args("BFloat16"))
 
 
 def run(compiled, q, k, v, section=None):
@@ -44,9 +42,11 @@ def run(compiled, q, k, v, section=None):
     sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb), "all": num_hb}.get(
         section, section)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    c = dispatch._to_cute
-    compiled(c(q), c(k), c(v), c(out), c(lse, 4),
-             cutlass.Float32(q.shape[-1] ** -0.5 * math.log2(math.e)), cutlass.Int32(sec), stream)
+    compiled(*dispatch._launch_args(
+        "BFloat16", [t.data_ptr() for t in (q, k, v, out, lse)],
+        (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]),
+        [t.stride()[:3] for t in (q, k, v, out)], q.shape[-1] ** -0.5 * math.log2(math.e), sec,
+        stream))
     return out
 
 

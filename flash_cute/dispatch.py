@@ -9,6 +9,7 @@ head counts and strides are runtime values: a training loop with varying lengths
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -44,28 +45,31 @@ def compile_cache_size() -> int:
     return len(_cache)
 
 
-def _fake_args(dtype_name: str, d: int):
-    """Fake tensors with symbolic sizes and 16-byte-divisible strides, plus a fake stream."""
+def _launch_args(dtype_name: str, ptrs, sizes, strides, scale_log2: float, section: int,
+                 stream):
+    """Arguments of ``FlashFwdSm90.launch``: 5 pointers (q, k, v, o, lse), sizes
+    (b, sq, sk, h, hk), (batch, seq, head) strides of q, k, v, o, the scale, the section size."""
     import cutlass
     import cutlass.cute as cute
 
     dt = getattr(cutlass, dtype_name)
-    align = 128 // dt.width  # elements per 16 bytes: TMA needs 16-byte aligned strides
-
-    def qkv(batch, seqlen, heads):
-        stride = tuple(cute.sym_int64(divisibility=align) for _ in range(3)) + (1,)
-        return cute.runtime.make_fake_tensor(dt, (batch, seqlen, heads, d), stride,
-                                             assumed_align=16)
-
-    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-    q, o = qkv(b, sq, h), qkv(b, sq, h)
-    k, v = qkv(b, sk, hk), qkv(b, sk, hk)
-    lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
-                                                stride_order=(2, 1, 0), assumed_align=4)
-    return q, k, v, o, lse, cute.runtime.make_fake_stream()
+    gmem = cute.AddressSpace.gmem
+    p = [cute.runtime.make_ptr(dt, a, gmem, assumed_align=16) for a in ptrs[:4]]
+    p.append(cute.runtime.make_ptr(cutlass.Float32, ptrs[4], gmem, assumed_align=4))
+    st = [tuple(cutlass.Int64(x) for x in s) for s in strides]
+    return (*p, *(cutlass.Int32(x) for x in sizes), *st, cutlass.Float32(scale_log2),
+            cutlass.Int32(section), stream)
 
 
-def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool):
+def _fake_launch_args(dtype_name: str):
+    """Placeholder arguments to compile ``launch``: every size and stride stays a runtime value."""
+    import cutlass.cute as cute
+
+    return _launch_args(dtype_name, [0] * 5, [1] * 5, [[8, 8, 8]] * 4, 1.0, 1,
+                        cute.runtime.make_fake_stream())
+
+
+def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: bool = False):
     import cutlass
     import cutlass.cute as cute
 
@@ -74,8 +78,8 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool):
     if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), FwdSm90Config.for_head_dim(d), causal)
-    q, k, v, o, lse, stream = _fake_args(dtype_name, d)
-    return cute.compile(kernel, q, k, v, o, lse, cutlass.Float32(1.0), cutlass.Int32(1), stream)
+    compile_fn = cute.compile[cute.KeepCUBIN()] if keep_cubin else cute.compile
+    return compile_fn(kernel.launch, *_fake_launch_args(dtype_name))
 
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool):
@@ -102,18 +106,13 @@ def compile_all_variants(arch: str = DEFAULT_ARCH, variants=None):
     return done
 
 
+@functools.lru_cache(maxsize=None)
 def _device_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         raise NotImplementedError(
             f"flash_cute kernels target Hopper (sm_90a); this GPU is sm_{major}{minor}")
     return "sm_90a"
-
-
-def _to_cute(t: torch.Tensor, align: int = 16):
-    from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(
-        leading_dim=t.ndim - 1)
 
 
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool,
@@ -142,24 +141,17 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     arch = _device_arch(q.device)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal))
     import cuda.bindings.driver as cuda
-    import cutlass
 
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse, 4),
-           cutlass.Float32(softmax_scale * math.log2(math.e)),
-           cutlass.Int32(heads_per_section(sk, d, q.element_size(), b * h)), stream)
+    kernel(*_launch_args(
+        _TORCH_TO_CUTLASS[q.dtype],
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()),
+        (b, sq, sk, h, k.shape[2]), [t.stride()[:3] for t in (q, k, v, out)],
+        softmax_scale * math.log2(math.e), heads_per_section(sk, d, q.element_size(), b * h),
+        stream))
     return out, lse
 
 
 def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool) -> bytes:
     """The cubin of one forward variant (for SASS checks; writes a *.cubin into the cwd)."""
-    import cutlass
-    import cutlass.cute as cute
-
-    from .kernels.sm90.fwd import FlashFwdSm90
-
-    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), FwdSm90Config.for_head_dim(d), causal)
-    q, k, v, o, lse, stream = _fake_args(dtype_name, d)
-    compiled = cute.compile[cute.KeepCUBIN()](kernel, q, k, v, o, lse, cutlass.Float32(1.0),
-                                              cutlass.Int32(1), stream)
-    return compiled.__cubin__
+    return _compile_fwd(arch, dtype_name, d, causal, keep_cubin=True).__cubin__
