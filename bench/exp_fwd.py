@@ -20,11 +20,12 @@ from flash_cute.kernels.sm90.fwd import FlashFwdSm90
 from flash_cute.reference import attention_ref, check_close
 
 VARIANTS = {
-    "base": {},
-    "pingpong": {"pingpong": True},
+    "sec_auto": {},
+    "sec_1": {"section": 1},
+    "sec_all": {"section": "all"},
 }
-SHAPES = [(128, 16384, True), (128, 4096, True), (128, 16384, False), (256, 8192, True),
-          (64, 8192, True), (128, 1024, False)]
+SHAPES = [(128, 1024, True), (128, 2048, True), (256, 1024, True), (256, 2048, True),
+          (128, 1024, False), (128, 8192, True)]
 ROUNDS = 5
 
 
