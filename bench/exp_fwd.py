@@ -32,22 +32,18 @@ ROUNDS = 5
 def compile_variant(d, causal, **kw):
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **kw)
     kernel = FlashFwdSm90(cutlass.BFloat16, cfg, causal)
-    return cute.compile(kernel.launch, *dispatch._fake_launch_args("BFloat16"))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *dispatch._fake_args("BFloat16", d), cutlass.Float32(1.0),
+                        cutlass.Int32(1), stream, options="--enable-tvm-ffi")
 
 
 def run(compiled, q, k, v, section=None):
-    import cuda.bindings.driver as cuda
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
     num_hb = q.shape[0] * q.shape[2]
     sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb), "all": num_hb}.get(
         section, section)
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    compiled(*dispatch._launch_args(
-        "BFloat16", [t.data_ptr() for t in (q, k, v, out, lse)],
-        (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]),
-        [t.stride()[:3] for t in (q, k, v, out)], q.shape[-1] ** -0.5 * math.log2(math.e), sec,
-        stream))
+    compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), sec)
     return out
 
 

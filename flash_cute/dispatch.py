@@ -45,31 +45,30 @@ def compile_cache_size() -> int:
     return len(_cache)
 
 
-def _launch_args(dtype_name: str, ptrs, sizes, strides, scale_log2: float, section: int,
-                 stream):
-    """Arguments of ``FlashFwdSm90.launch``: 5 pointers (q, k, v, o, lse), sizes
-    (b, sq, sk, h, hk), (batch, seq, head) strides of q, k, v, o, the scale, the section size."""
+def _fake_args(dtype_name: str, d: int):
+    """Fake tensors for compilation: symbolic sizes, 64-bit strides divisible by 16 bytes (TMA
+    needs that; validation guarantees it), so no size or stride is baked into the kernel."""
     import cutlass
     import cutlass.cute as cute
 
     dt = getattr(cutlass, dtype_name)
-    gmem = cute.AddressSpace.gmem
-    p = [cute.runtime.make_ptr(dt, a, gmem, assumed_align=16) for a in ptrs[:4]]
-    p.append(cute.runtime.make_ptr(cutlass.Float32, ptrs[4], gmem, assumed_align=4))
-    st = [tuple(cutlass.Int64(x) for x in s) for s in strides]
-    return (*p, *(cutlass.Int32(x) for x in sizes), *st, cutlass.Float32(scale_log2),
-            cutlass.Int32(section), stream)
+    align = 128 // dt.width
 
+    def qkv(batch, seqlen, heads):
+        stride = tuple(cute.sym_int64(divisibility=align) for _ in range(3)) + (1,)
+        return cute.runtime.make_fake_tensor(dt, (batch, seqlen, heads, d), stride,
+                                             assumed_align=16)
 
-def _fake_launch_args(dtype_name: str):
-    """Placeholder arguments to compile ``launch``: every size and stride stays a runtime value."""
-    import cutlass.cute as cute
-
-    return _launch_args(dtype_name, [0] * 5, [1] * 5, [[8, 8, 8]] * 4, 1.0, 1,
-                        cute.runtime.make_fake_stream())
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
+                                                stride_order=(2, 1, 0), assumed_align=4)
+    return qkv(b, sq, h), qkv(b, sk, hk), qkv(b, sk, hk), qkv(b, sq, h), lse
 
 
 def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: bool = False):
+    """Compile one forward variant as a TVM-FFI function: it takes torch tensors directly and
+    launches on torch's current stream, with the argument checks done in C++ (the generic
+    Python argument path of the DSL cost ~200 us per call, more than a short kernel)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -78,8 +77,11 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: b
     if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), FwdSm90Config.for_head_dim(d), causal)
-    compile_fn = cute.compile[cute.KeepCUBIN()] if keep_cubin else cute.compile
-    return compile_fn(kernel.launch, *_fake_launch_args(dtype_name))
+    args = (*_fake_args(dtype_name, d), cutlass.Float32(1.0), cutlass.Int32(1))
+    if keep_cubin:  # same device code; the plain host wrapper is the one that keeps the cubin
+        return cute.compile[cute.KeepCUBIN()](kernel, *args, cute.runtime.make_fake_stream())
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *args, stream, options="--enable-tvm-ffi")
 
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool):
@@ -140,18 +142,12 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         return out, lse
     arch = _device_arch(q.device)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal))
-    import cuda.bindings.driver as cuda
-
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-    kernel(*_launch_args(
-        _TORCH_TO_CUTLASS[q.dtype],
-        (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()),
-        (b, sq, sk, h, k.shape[2]), [t.stride()[:3] for t in (q, k, v, out)],
-        softmax_scale * math.log2(math.e), heads_per_section(sk, d, q.element_size(), b * h),
-        stream))
+    kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
+           heads_per_section(sk, d, q.element_size(), b * h))
     return out, lse
 
 
 def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool) -> bytes:
-    """The cubin of one forward variant (for SASS checks; writes a *.cubin into the cwd)."""
+    """The cubin of one forward variant, for SASS checks. The DSL also writes a copy into the
+    working directory (the directory it saw at its first such compile must still exist)."""
     return _compile_fwd(arch, dtype_name, d, causal, keep_cubin=True).__cubin__

@@ -123,32 +123,6 @@ class FlashFwdSm90:
             grid=scheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3]),
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
-    @cute.jit
-    def launch(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer,
-               o_ptr: cute.Pointer, lse_ptr: cute.Pointer, b: Int32, sq: Int32, sk: Int32,
-               h: Int32, hk: Int32, q_strides: tuple, k_strides: tuple, v_strides: tuple,
-               o_strides: tuple, scale_log2: Float32, heads_per_section: Int32,
-               stream: cuda.CUstream):
-        """Entry point from raw pointers, sizes and (batch, seq, head) strides in elements.
-
-        Building the tensors here instead of converting torch tensors through DLPack on every
-        call keeps the host cost of a launch low (short sequences are launch-bound). Strides are
-        64-bit (tensors may exceed 2^31 elements) and assumed 16-byte aligned (validation checks
-        it); LSE is compact (b, h, sq).
-        """
-        align = 128 // self.dtype.width
-
-        def gmem(ptr, shape, strides):
-            strides = tuple(cute.assume(s, divby=align) for s in strides)
-            return cute.make_tensor(ptr, cute.make_layout((*shape, self.d), stride=(*strides, 1)))
-
-        mQ = gmem(q_ptr, (b, sq, h), q_strides)
-        mK = gmem(k_ptr, (b, sk, hk), k_strides)
-        mV = gmem(v_ptr, (b, sk, hk), v_strides)
-        mO = gmem(o_ptr, (b, sq, h), o_strides)
-        mLSE = cute.make_tensor(lse_ptr, cute.make_ordered_layout((b, h, sq), order=(2, 1, 0)))
-        self(mQ, mK, mV, mO, mLSE, scale_log2, heads_per_section, stream)
-
     # ---------------------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
