@@ -29,14 +29,16 @@ def check(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16, noncontig=False):
     torch.cuda.synchronize()
     ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
     low, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
-    tag = f"b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} causal={int(causal)} {dtype} nc={int(noncontig)}"
+    tag = (f"b={b} sq={sq} sk={sk} h={h} hk={hk} d={d} causal={int(causal)} {dtype} "
+           f"nc={int(noncontig)}")
     try:
         check_close(out, ref, low, name="out")
         fin = torch.isfinite(ref_lse)
         ok_lse = torch.equal(fin, torch.isfinite(lse)) and (
             (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-2 if fin.any() else True)
         if not ok_lse:
-            raise AssertionError(f"lse mismatch: max err {(lse[fin]-ref_lse[fin]).abs().max().item()}")
+            err = (lse[fin] - ref_lse[fin]).abs().max().item()
+            raise AssertionError(f"lse mismatch: max err {err}")
         print("PASS", tag, f"err={(out.float()-ref.float()).abs().max().item():.2e}")
         return True
     except AssertionError as e:
@@ -61,11 +63,13 @@ def bench(d, s, causal):
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * b * s * s * h * d / (2 if causal else 1)
     res = {}
-    res["flash_cute"] = timeit(lambda: dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal))
+    res["flash_cute"] = timeit(
+        lambda: dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        res["cudnn"] = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+        res["cudnn"] = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=causal))
     try:
         from flash_attn.cute import flash_attn_func as fa4
         res["fa4"] = timeit(lambda: fa4(q, k, v, causal=causal))
@@ -81,7 +85,8 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     t0 = time.time()
-    cases = [(1, 128, 128, 1, 1, 128, False), (2, 1, 1, 2, 2, 64, False), (1, 3, 3, 1, 1, 128, True),
+    cases = [(1, 128, 128, 1, 1, 128, False), (2, 1, 1, 2, 2, 64, False),
+             (1, 3, 3, 1, 1, 128, True),
              (2, 239, 1, 4, 2, 128, False), (2, 113, 203, 4, 1, 128, True),
              (1, 1023, 1024, 2, 2, 64, True), (1, 300, 200, 2, 2, 256, True),
              (1, 4224, 4224, 2, 2, 128, True), (2, 500, 700, 4, 4, 96, False),

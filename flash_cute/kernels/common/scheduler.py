@@ -1,8 +1,9 @@
 """Maps CTAs to (m_block, head, batch) work tiles, in an L2-friendly, longest-first order.
 
-The (batch x head) pairs are cut into sections of ``heads_per_section`` (chosen on the host by
-``flash_cute.config.heads_per_section``) whose K and V fit in L2 together; a section's tiles are launched before the next section's. Inside a section the
-heads vary fastest, so CTAs running at the same time share a few heads' K/V in L2. For causal
+The (batch x head) pairs are cut into sections of ``heads_per_section`` heads (chosen on the
+host by ``flash_cute.config.heads_per_section``) whose K and V fit in L2 together; a section's
+tiles are launched before the next section's. Inside a section the heads vary fastest, so CTAs
+running at the same time share a few heads' K/V in L2. For causal
 attention the m blocks go from last to first: the tiles with the most key blocks start first
 (longest-processing-time first), and the short ones fill the tail of the grid.
 """

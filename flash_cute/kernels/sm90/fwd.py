@@ -128,8 +128,9 @@ class FlashFwdSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_v: cute.CopyAtom, tma_o: cute.CopyAtom, scale_log2: Float32,
-               heads_per_section: Int32, sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma):
+               heads_per_section: Int32, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
