@@ -80,6 +80,11 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: b
     args = (*_fake_args(dtype_name, d), cutlass.Float32(1.0), cutlass.Int32(1))
     if keep_cubin:  # same device code; the plain host wrapper is the one that keeps the cubin
         return cute.compile[cute.KeepCUBIN()](kernel, *args, cute.runtime.make_fake_stream())
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError as e:
+        raise ImportError("flash_cute launches its kernels through TVM-FFI: "
+                          "pip install 'apache-tvm-ffi>=0.1.15,<0.2'") from e
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(kernel, *args, stream, options="--enable-tvm-ffi")
 
