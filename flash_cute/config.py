@@ -11,9 +11,8 @@ class FwdSm90Config:
     tile_m: int = 128          # two consumer warpgroups x 64 rows (one wgmma M each)
     tile_n: int = 128
     kv_stages: int = 2
-    intra_wg_overlap: bool = True   # issue the next QK^T before this block's softmax
-    # Named-barrier ordering of the two warpgroups' GEMMs. Off: measured slower on the H200
-    # (d=128 s=16k: 661 vs 702 TFLOP/s non-causal, 447 vs 500 causal; docs/performance.md).
+    # Named-barrier ordering of the two warpgroups' GEMMs. Off: no gain measured on the H200
+    # with variants timed interleaved, and it pushed bf16 d=96 causal into spills.
     pingpong: bool = False
     longest_first: bool = True      # causal: launch the tiles with the most key blocks first
 
