@@ -36,3 +36,33 @@ def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int
     per_head = max(seqlen_k * head_dim * 2 * elem_bytes, 1)
     n = max(L2_BYTES_FOR_KV // per_head, 1)
     return min(1 << (n.bit_length() - 1), max(num_hb, 1))
+
+
+BWD_SUPPORTED_HEAD_DIMS = (64, 96, 128)
+
+
+@dataclass(frozen=True)
+class BwdSm90Config:
+    """Tile shape and pipeline depth of the SM90 backward kernel for one head dim.
+
+    Registers bound the head dim: each MMA warpgroup keeps dK and dV for its 64 keys
+    (2 * 64 * d / 128 fp32 per thread) plus S^T and dP^T (2 * 64 * tile_m / 128). At d = 128
+    that is 128 + 64 of the 240 available; d = 192 / 256 would need 192 / 256 for dK and dV
+    alone, so they stay on the interim backward until a split-d or 1-warpgroup-per-64-keys
+    design exists.
+    """
+    head_dim: int
+    tile_m: int = 64           # query rows per step (the N of S^T = K Q^T; D/LSE padding unit)
+    tile_n: int = 128          # keys per CTA: two MMA warpgroups x 64 (one wgmma M each)
+    stages: int = 2            # Q/LSE and dO/D ring depth: load m+1 while m computes
+    dq_chunk: int = 64         # dQ = dS K in column chunks: live dQ registers = 64*chunk/128
+
+    @staticmethod
+    def for_head_dim(d: int) -> "BwdSm90Config":
+        if d not in BWD_SUPPORTED_HEAD_DIMS:
+            raise NotImplementedError(
+                f"fused SM90 backward: head dim {d} is not supported (supported: "
+                f"{BWD_SUPPORTED_HEAD_DIMS}); use the interim backward")
+        # A chunk must be whole 128-byte swizzle atoms of K^T (64 elements); d = 96 uses a
+        # 64-byte atom (32 elements) and runs in one piece (48 registers).
+        return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d)

@@ -1,5 +1,6 @@
 """Which key blocks a query tile visits, and which of them need a mask."""
 import cutlass
+import cutlass.cute as cute
 from cutlass import Int32
 
 
@@ -19,3 +20,29 @@ def n_block_min_causal_mask(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: 
     """Key blocks at or after this index cross the causal diagonal for some row of the tile."""
     first_row_end = m_block * tile_m + 1 + seqlen_k - seqlen_q  # keys visible to the first row
     return cutlass.max(first_row_end, 0) // tile_n
+
+
+# Backward (one key block per CTA, looping over query blocks): the same causal rule seen from
+# the key side. Query row i sees key j iff j <= i + seqlen_k - seqlen_q.
+def m_block_min_causal(n_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
+                       seqlen_k: Int32) -> Int32:
+    """First query block with a row that sees some key of key block ``n_block``."""
+    first_row = n_block * tile_n - (seqlen_k - seqlen_q)  # the row whose diagonal is key n*tn
+    return cutlass.max(first_row, 0) // tile_m
+
+
+@cute.jit
+def m_block_mask_end(n_block: Int32, tile_m: cutlass.Constexpr[int],
+                     tile_n: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32,
+                     causal: cutlass.Constexpr[bool]) -> Int32:
+    """Query blocks below this index need a mask against key block ``n_block``: every block
+    when the key block is ragged (keys past seqlen_k), else (causal) the blocks holding a row
+    that does not see the key block's last key."""
+    num_m_blocks = (seqlen_q + tile_m - 1) // tile_m
+    end = Int32(0)
+    if cutlass.const_expr(causal):
+        full_row = (n_block + 1) * tile_n - 1 - (seqlen_k - seqlen_q)  # first row seeing all
+        end = cutlass.max(full_row + tile_m - 1, 0) // tile_m
+    if (n_block + 1) * tile_n > seqlen_k:
+        end = num_m_blocks
+    return cutlass.min(end, num_m_blocks)

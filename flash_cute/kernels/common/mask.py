@@ -34,3 +34,28 @@ def apply_mask(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_bloc
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
             # A select per element; an `if` here makes the compiler move whole fragments.
             s_mn[r, c] = s_mn[r, c] if c0_mn[r, c][1] < limit else -Float32.inf
+
+
+@cute.jit
+def apply_mask_key_major(acc_St: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor,
+                         n_block: Int32, m_block: Int32, tile_n: cutlass.Constexpr[int],
+                         tile_m: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32,
+                         causal: cutlass.Constexpr[bool]):
+    """The backward's mask on a transposed score tile S^T (rows = keys, columns = queries).
+
+    Keys past seqlen_k are masked whole-row; causal additionally masks query columns before the
+    key's diagonal (query i < key j - (seqlen_k - seqlen_q)). Same thread-0-coordinate scheme as
+    ``apply_mask``: one limit per row, one compare-select per element.
+    """
+    s_mn = acc_as_mn(acc_St)
+    c_mn = acc_as_mn(tScS)
+    c0_mn = acc_as_mn(t0ScS)
+    row0, col0 = c_mn[0, 0][0], c_mn[0, 0][1]
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        key = n_block * tile_n + row0 + c0_mn[r, 0][0]
+        low = Int32(0)  # smallest visible column, in thread-0 column coordinates
+        if const_expr(causal):
+            low = key - (seqlen_k - seqlen_q) - m_block * tile_m - col0
+        low = low if key < seqlen_k else Int32(tile_m)  # a key past the end: nothing visible
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            s_mn[r, c] = s_mn[r, c] if c0_mn[r, c][1] >= low else -Float32.inf

@@ -1,0 +1,261 @@
+"""Host side of the fused SM90 backward: allocations, compile cache, three launches.
+
+STATUS: every kernel variant compiles for sm_90a (tests/test_compile_bwd.py); the kernels have
+not yet run on a GPU. Check them with ``python bench/check_bwd.py`` on an H200 first.
+
+    bwd(dout, q, k, v, out, lse, softmax_scale=..., causal=...) -> (dq, dk, dv)
+
+    1. bwd_pre   D = rowsum(dO o O), LSE_log2 = LSE * log2(e) (+inf on empty/padding rows),
+                 dQaccum = 0                                  kernels/sm90/bwd_pre.py
+    2. bwd       one CTA per (key block, query head, batch): dK, dV in registers, dQ partials
+                 red.add'ed into dQaccum                       kernels/sm90/bwd.py
+    3. bwd_post  dq = softmax_scale * dQaccum; GQA: dk, dv = sum over the query heads of a
+                 KV head of the per-query-head fp32 dK, dV     kernels/sm90/bwd_post.py
+
+Not wired into autograd yet. ``flash_cute.autograd`` keeps the interim (fp32 recompute)
+backward; the plan is that it calls ``flash_cute.backward.bwd`` when the environment variable
+``FLASH_CUTE_FUSED_BWD=1`` is set (``fused_bwd_enabled()`` reads it) and the call is supported
+(``unsupported_bwd_option`` returns None), until the kernel is validated and becomes default.
+
+Compilation follows ``flash_cute.dispatch``: fake tensors with symbolic sizes and strides, so the
+cache key holds only code-changing values (arch, dtype, head dim, causal, GQA) and never a
+length, batch or head count; TVM-FFI entry points take torch tensors and launch on torch's
+current stream.
+
+Memory: dQaccum fp32 (b, h, sq_pad, d) and D, LSE_log2 fp32 (b, h, sq_pad) with sq_pad = sq
+rounded up to 64; with GQA also fp32 dK, dV per query head (b, sk, h, d).
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+import torch
+
+from .config import BWD_SUPPORTED_HEAD_DIMS, BwdSm90Config
+
+DEFAULT_ARCH = "sm_90a"
+ENV_FLAG = "FLASH_CUTE_FUSED_BWD"
+_TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
+_cache: dict = {}
+_cache_lock = threading.Lock()
+
+
+def fused_bwd_enabled() -> bool:
+    """True when FLASH_CUTE_FUSED_BWD=1: autograd should use this backward (once wired)."""
+    return os.environ.get(ENV_FLAG, "0") == "1"
+
+
+def unsupported_bwd_option(*, head_dim: int, deterministic: bool = False, window_size=(-1, -1),
+                           softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
+                           varlen: bool = False):
+    """Why the fused backward cannot run this call (a string), or None if it can."""
+    if head_dim not in BWD_SUPPORTED_HEAD_DIMS:
+        return f"head_dim={head_dim} (fused backward supports {BWD_SUPPORTED_HEAD_DIMS})"
+    if deterministic:
+        return "deterministic=True (dQ is accumulated with atomics)"
+    if tuple(window_size) != (-1, -1) or softcap != 0.0 or alibi_slopes is not None:
+        return "window_size/softcap/alibi_slopes (not in the fused backward yet)"
+    if dropout_p != 0.0:
+        return f"dropout_p={dropout_p}"
+    if varlen:
+        return "varlen (not in the fused backward yet)"
+    return None
+
+
+def compile_cache_size() -> int:
+    return len(_cache)
+
+
+# ----------------------------------------------------------------------------- compilation
+def _check_arch(arch: str):
+    if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
+        raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
+
+
+def _fake_qkv(dt, d, batch, seqlen, heads):
+    """(b, s, h, d) with symbolic 64-bit strides divisible by 16 bytes (TMA needs that)."""
+    import cutlass.cute as cute
+
+    align = 128 // dt.width
+    stride = tuple(cute.sym_int64(divisibility=align) for _ in range(3)) + (1,)
+    return cute.runtime.make_fake_tensor(dt, (batch, seqlen, heads, d), stride, assumed_align=16)
+
+
+def _fake_padded_rows(batch, heads, sq_pad, d=None):
+    """Contiguous fp32 (b, h, sq_pad[, d]): whole query tiles, 16-byte aligned tile starts."""
+    import cutlass
+    import cutlass.cute as cute
+
+    shape = (batch, heads, sq_pad) if d is None else (batch, heads, sq_pad, d)
+    order = tuple(range(len(shape) - 1, -1, -1))
+    return cute.runtime.make_fake_compact_tensor(cutlass.Float32, shape, stride_order=order,
+                                                 assumed_align=16)
+
+
+def _compile(fn, args, keep_cubin: bool):
+    import cutlass.cute as cute
+
+    if keep_cubin:  # same device code; the plain host wrapper is the one that keeps the cubin
+        return cute.compile[cute.KeepCUBIN()](fn, *args, cute.runtime.make_fake_stream())
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError as e:
+        raise ImportError("flash_cute launches its kernels through TVM-FFI: "
+                          "pip install 'apache-tvm-ffi>=0.1.15,<0.2'") from e
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(fn, *args, stream, options="--enable-tvm-ffi")
+
+
+def _compile_pre(arch, dtype_name, d, keep_cubin=False):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels.sm90.bwd_pre import FlashBwdPreSm90
+
+    _check_arch(arch)
+    dt = getattr(cutlass, dtype_name)
+    tile_m = BwdSm90Config.for_head_dim(d).tile_m
+    b, sq, h = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    sq_pad = cute.sym_int(divisibility=tile_m)
+    lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
+                                                stride_order=(2, 1, 0), assumed_align=4)
+    args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
+            _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
+            _fake_padded_rows(b, h, sq_pad, d))
+    return _compile(FlashBwdPreSm90(dt, d), args, keep_cubin)
+
+
+def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels.sm90.bwd import FlashBwdSm90
+
+    _check_arch(arch)
+    dt = getattr(cutlass, dtype_name)
+    cfg = BwdSm90Config.for_head_dim(d)
+    dkv_dt = cutlass.Float32 if gqa else dt
+    b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
+    sq_pad = cute.sym_int(divisibility=cfg.tile_m)
+    dkv_heads = h if gqa else hk
+    args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sk, hk), _fake_qkv(dt, d, b, sk, hk),
+            _fake_qkv(dt, d, b, sq, h), _fake_padded_rows(b, h, sq_pad),
+            _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad, d),
+            _fake_qkv(dkv_dt, d, b, sk, dkv_heads), _fake_qkv(dkv_dt, d, b, sk, dkv_heads),
+            cutlass.Float32(1.0), cutlass.Float32(1.0))
+    return _compile(FlashBwdSm90(dt, cfg, causal, dkv_dt), args, keep_cubin)
+
+
+def _compile_post(arch, dtype_name, d, keep_cubin=False):
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels.sm90.bwd_post import FlashBwdPostSm90
+
+    _check_arch(arch)
+    dt = getattr(cutlass, dtype_name)
+    acc_stride = tuple(cute.sym_int64(divisibility=4) for _ in range(3)) + (1,)
+    acc = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int(), d), acc_stride,
+        assumed_align=16)
+    out = _fake_qkv(dt, d, cute.sym_int(), cute.sym_int(), cute.sym_int())
+    return _compile(FlashBwdPostSm90(dt, d), (acc, out, cutlass.Float32(1.0)), keep_cubin)
+
+
+def _get(key, build):
+    with _cache_lock:
+        if key not in _cache:
+            _cache[key] = build()
+        return _cache[key]
+
+
+def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool):
+    """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across causal/GQA."""
+    pre = _get(("bwd_pre", arch, dtype_name, d), lambda: _compile_pre(arch, dtype_name, d))
+    main = _get(("bwd", arch, dtype_name, d, causal, gqa),
+                lambda: _compile_main(arch, dtype_name, d, causal, gqa))
+    post = _get(("bwd_post", arch, dtype_name, d), lambda: _compile_post(arch, dtype_name, d))
+    return pre, main, post
+
+
+def bwd_variants():
+    """Every backward main-kernel variant: (dtype, head_dim, causal, gqa)."""
+    return [(dt, d, c, g) for dt in ("BFloat16", "Float16") for d in BWD_SUPPORTED_HEAD_DIMS
+            for c in (False, True) for g in (False, True)]
+
+
+def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False,
+              kernel: str = "main") -> bytes:
+    """The cubin of one backward kernel ("pre", "main" or "post"), for SASS checks."""
+    if kernel == "pre":
+        compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True)
+    elif kernel == "post":
+        compiled = _compile_post(arch, dtype_name, d, keep_cubin=True)
+    else:
+        compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True)
+    return compiled.__cubin__
+
+
+# -------------------------------------------------------------------------------- launch
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """Last dim contiguous and the other strides 16-byte multiples, else a contiguous copy."""
+    align = 16 // t.element_size()
+    if t.stride(-1) == 1 and all(s % align == 0 for s in t.stride()[:-1]) \
+            and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous()
+
+
+def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float, causal: bool,
+        deterministic: bool = False):
+    """Gradients of attention (batched layout). Returns ``(dq, dk, dv)`` like q, k, v.
+
+    q, out, dout (b, sq, h, d); k, v (b, sk, hk, d), h % hk == 0; lse fp32 (b, h, sq) natural
+    log, as returned by the forward. Inputs are assumed validated like the forward's.
+    """
+    if deterministic:
+        raise NotImplementedError("flash_cute fused backward: deterministic=True is not "
+                                  "implemented (dQ is accumulated with atomics)")
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if d not in BWD_SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"flash_cute fused backward: head_dim={d} is not supported "
+                                  f"(supported: {BWD_SUPPORTED_HEAD_DIMS})")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dq.numel() == 0 or sk == 0:   # no queries or no keys: every gradient is 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if dk.numel() == 0:
+        return dq.zero_(), dk, dv
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        raise NotImplementedError(f"flash_cute fused backward targets sm_90a; this GPU is "
+                                  f"sm_{major}{minor}")
+    cfg = BwdSm90Config.for_head_dim(d)
+    gqa = h != hk
+    pre, main, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
+                                      gqa)
+    q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
+    lse = lse.detach().contiguous()
+
+    sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty((b, h, sq_pad), **f32)
+    dpsum = torch.empty((b, h, sq_pad), **f32)
+    dq_accum = torch.empty((b, h, sq_pad, d), **f32)
+    if gqa:
+        dk_out = torch.empty((b, sk, h, d), **f32)
+        dv_out = torch.empty((b, sk, h, d), **f32)
+    else:
+        dk_out, dv_out = dk, dv
+
+    pre(out, dout, lse, lse_log2, dpsum, dq_accum)
+    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out,
+         softmax_scale * math.log2(math.e), softmax_scale)
+    post(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale)
+    if gqa:
+        post(dk_out, dk, 1.0)
+        post(dv_out, dv, 1.0)
+    return dq, dk, dv

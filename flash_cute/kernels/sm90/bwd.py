@@ -1,0 +1,455 @@
+"""SM90 (Hopper) attention backward, step 2 of 3: dK, dV per key block, dQ by atomics.
+
+STATUS: compiled for sm_90a and SASS-checked on a CPU machine; not yet run on a GPU.
+
+Math (per batch and query head; S = Q K^T unscaled, scale = softmax_scale):
+
+    P  = exp2(S * scale*log2(e) - LSE_log2)        (LSE_log2 from bwd_pre: +inf on empty rows)
+    dV = P^T dO          dP = dO V^T          dS = P o (dP - D)     (D = rowsum(dO o O))
+    dK = scale * dS^T Q  dQ = scale * dS K    (dQ's scale is applied in bwd_post)
+
+The kernel computes the transposed tiles S^T = K Q^T and dP^T = V dO^T, so the rows of every
+accumulator are keys: P^T and dS^T come out of the wgmma already as the register A operands of
+dV += P^T dO and dK += dS^T Q, and dK / dV never leave registers until the epilogue.
+
+Ownership: one CTA per (key block of TILE_N = 128 keys, query head, batch); it walks the query
+blocks (tile_m = 64 rows) that can see its keys, so dK and dV are complete at the end of the
+CTA (no reduction for them; GQA writes per query head, bwd_post sums the group). dQ for a query
+block gets a contribution from every key block: each warpgroup adds its partial dS_wg K_wg
+(64 x d) to the fp32 dQaccum with red.global.add (v1; a TMA reduce-add is the next step).
+
+Warp roles (3 warpgroups, 384 threads):
+
+    WG0  load   warp 0: TMA K and V once; then per query block m: Q[m] + LSE_log2[m] into
+                stage s of pipe_q, dO[m] + D[m] into stage s of pipe_do. setmaxnreg 24.
+    WG1  mma    keys  0..63 of the block  } S^T = K Q^T, dP^T = V dO^T      (SS wgmma)
+    WG2  mma    keys 64..127              } P^T, dS^T in registers (exp2 with LSE from smem)
+                                          } dV += P^T dO, dK += dS^T Q      (RS wgmma)
+                                          } dS^T -> sdS (stmatrix); dQ_wg = dS_wg K_wg (SS)
+                                          }   in dq_chunk-column pieces, red.add to dQaccum
+                                          } epilogue: dK * scale, dV -> global (predicated)
+                setmaxnreg 240.
+
+Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
+empty barrier: one arrive per consumer warp, 8):
+
+    pipe_kv  load -> 8 mma warps, 1 stage, K and V together (2 * tile_n * d * 2 bytes);
+             acquired once, never released (it lives for the whole CTA).
+    pipe_q   load -> 8 mma warps, `stages` stages: Q tile + LSE_log2 tile on one barrier.
+    pipe_do  load -> 8 mma warps, `stages` stages: dO tile + D tile on one barrier.
+    pipe_q and pipe_do advance in lockstep, so one PipelineState (index, phase) per side serves
+    both. A stage is released only after the dQ wgmma of that query block finished, which
+    also covers dV (reads sdO) and dK (reads sQ), issued earlier in the same block.
+
+Named barriers: DS_WG1 / DS_WG2 (128 threads, one per mma warpgroup): this warpgroup's stmatrix
+writes of dS^T are visible (after fence.proxy.async) before its dQ wgmma reads sdS. The
+warpgroups never read each other's dS, so there is no cross-warpgroup barrier in the loop.
+
+Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
+
+    S^T  | dP^T | [wait 1: S^T]  (mask) P^T = exp2(...) | dV | [wait 1: dP^T] dS^T | sdS, bar |
+    dK | dQ chunk 0 [wait 0] red.add | dQ chunk 1 [wait 0] red.add | release stage
+
+dP^T runs under the exp2 of P^T and dV under dS; masked blocks (causal diagonal, ragged key
+tail) wait for dP^T before masking so the mask's registers do not collide with in-flight
+accumulators (the forward's lesson, docs/performance.md v3).
+
+Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
+    sK, sV   tile_n*d each          sQ, sdO   stages*tile_m*d each
+    sdS      tile_n*tile_m          sLSE, sD  stages*tile_m fp32 each
+    d=64:  16+16+16+16+16 KB + 1 KB =  81 KB      d=96: 24*4 + 16 + 1 = 113 KB
+    d=128: 32+32+32+32+16 KB + 1 KB = 145 KB      (d=192: 48*4+16 = 208 KB would fit, but
+                                                    registers do not: see BwdSm90Config)
+
+Registers (per mma thread, fp32 unless noted): dK + dV 2 * 64 * d / 128 (d=128: 128), S^T and
+dP^T 2 * 32, P^T and dS^T 2-byte 16 + 16, dQ chunk 32. About 220 at d=128 of the 240.
+
+Expected slow parts (to measure first): the dQ red.add traffic (2 * 64 * d atomics per query
+block per CTA, no overlap with this warpgroup's wgmma because the dQ wgmma is waited on before
+the atomics), the serialized dQ chunks, tile_m = 64 (S^T and dP^T wgmma have N = 64, half the
+forward's), and the tile epilogue (scalar predicated stores of dK/dV).
+"""
+import enum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.memory
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+from ...config import BwdSm90Config
+from ..common import block_info
+from ..common.layout import acc_as_mn, acc_as_operand_a, select_modes, transpose_mn
+from ..common.mask import apply_mask_key_major
+from .wgmma import gemm, make_smem_layout
+
+WG_THREADS = 128
+NUM_MMA_WG = 2
+KEYS_PER_WG = 64     # one wgmma M per warpgroup
+LOAD_REGS = 24       # the load warp only issues TMA; give its registers to the mma warpgroups
+MMA_REGS = 240       # 24*128 + 240*256 <= 64K registers per SM
+SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
+
+
+class Barrier(enum.IntEnum):
+    SYNC_THREADS = 0  # reserved by __syncthreads
+    DS_WG1 = 1        # DS_WG1 + i: warpgroup i's dS^T is in shared memory
+    DS_WG2 = 2
+
+
+class FlashBwdSm90:
+    def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None):
+        """``dkv_dtype``: element type of the dK / dV outputs (the input dtype, or Float32 for
+        the per-query-head GQA buffers that bwd_post sums)."""
+        self.dtype = dtype
+        self.dkv_dtype = dtype if dkv_dtype is None else dkv_dtype
+        self.cfg = cfg
+        self.causal = causal
+        self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
+        if self.tile_n != KEYS_PER_WG * NUM_MMA_WG:
+            raise ValueError(f"tile_n must be {KEYS_PER_WG * NUM_MMA_WG}, got {self.tile_n}")
+        if self.d % cfg.dq_chunk != 0:
+            raise ValueError(f"dq_chunk {cfg.dq_chunk} must divide head_dim {self.d}")
+        self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
+
+    # ------------------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, scale_log2: Float32, dk_scale: Float32,
+                 stream: cuda.CUstream):
+        """mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD (b, h, sq_pad)
+        fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in dkv_dtype,
+        indexed by the query head (equal to the KV head when h == hk)."""
+        # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
+        mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [1, 3, 2, 0])
+                                     for t in (mQ, mdO, mK, mV, mdK, mdV)]
+        mLSE, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE, mD)]
+        mdQaccum = select_modes(mdQaccum, [2, 3, 1, 0])
+        dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.stages
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+
+        # S^T = K Q^T and dP^T = V dO^T: M = keys (a warpgroup per 64), N = queries, K = d.
+        mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_MAJOR, K_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
+            tiler_mn=(KEYS_PER_WG, tm))
+        # dV += P^T dO and dK += dS^T Q: A from registers, B = dO / Q with d contiguous.
+        mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
+            tiler_mn=(KEYS_PER_WG, d), a_source=warpgroup.OperandSource.RMEM)
+        # dQ_wg = dS_wg K_wg, one warpgroup: A = sdS^T (queries contiguous), B = K^T chunk.
+        mma_dq = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
+            tiler_mn=(tm, self.cfg.dq_chunk))
+
+        sQ_layout = make_smem_layout(dt, (tm, d), stages)
+        sdO_layout = make_smem_layout(dt, (tm, d), stages)
+        sK_layout = make_smem_layout(dt, (tn, d))
+        sV_layout = make_smem_layout(dt, (tn, d))
+        sdS_layout = make_smem_layout(dt, (tn, tm))
+        sLSE_layout = cute.make_layout((tm, stages))
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
+        tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mdO, cute.select(sdO_layout, mode=[0, 1]),
+            (tm, d))
+        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, sK_layout, (tn, d))
+        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mV, sV_layout, (tn, d))
+        tma_lse, tma_mLSE = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(tm), (tm,))
+        tma_d, tma_mD = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mD, cute.make_layout(tm), (tm,))
+        q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
+        self.q_stage_bytes = q_bytes + tm * 4        # Q (or dO) tile + LSE (or D) row
+        self.kv_bytes = 2 * cute.size_in_bytes(dt, sK_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, tm * stages], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)],
+                                   SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)],
+                                   SMEM_ALIGN]
+
+        self.shared_storage = SharedStorage
+        num_n_blocks = cute.ceil_div(mK.shape[0], tn)
+        self.kernel(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mD, mdQaccum, mdK, mdV,
+                    tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
+                    sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
+                    mma_sdp, mma_dkv, mma_dq).launch(
+            grid=[num_n_blocks, mQ.shape[2], mQ.shape[3]],
+            block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+               mLSE: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
+               tma_v: cute.CopyAtom, tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom,
+               tma_d: cute.CopyAtom, scale_log2: Float32, dk_scale: Float32,
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sdS_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
+               mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_WG * 4)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True)
+        pipe_q, pipe_do = [pipeline.PipelineTmaAsync.create(
+            barrier_storage=mbar.data_ptr(), num_stages=self.cfg.stages,
+            producer_group=producer, consumer_group=consumers, tx_count=self.q_stage_bytes,
+            defer_sync=True) for mbar in (storage.mbar_q, storage.mbar_do)]
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sLSE_layout)
+        sD = storage.sD.get_tensor(sLSE_layout)
+
+        n_block, head, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        m_begin = Int32(0)
+        if const_expr(self.causal):
+            m_begin = block_info.m_block_min_causal(n_block, self.tile_m, self.tile_n,
+                                                    seqlen_q, seqlen_k)
+        m_end = cute.ceil_div(seqlen_q, self.tile_m)
+
+        if warp_idx // 4 == 0:
+            cute.arch.setmaxregister_decrease(LOAD_REGS)
+            if warp_idx == 0:
+                head_kv = head // (mQ.shape[2] // mK.shape[2])
+                self.load(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q, tma_k,
+                          tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do, n_block,
+                          head, head_kv, batch, m_begin, m_end)
+        else:
+            cute.arch.setmaxregister_increase(MMA_REGS)
+            self.mma(mma_sdp, mma_dkv, mma_dq, mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE,
+                     sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, n_block, head, batch,
+                     m_begin, m_end, seqlen_q, seqlen_k)
+
+    @cute.jit
+    def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+             mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+             sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
+             tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+             tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
+             pipe_q, pipe_do, n_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
+             m_begin: Int32, m_end: Int32):
+        """Producer: K and V once, then (Q, LSE) and (dO, D) for each query block in order."""
+        tm, tn, d = self.tile_m, self.tile_n, self.d
+        gQ = cute.local_tile(mQ[None, None, head, batch], (tm, d), (None, 0))
+        gdO = cute.local_tile(mdO[None, None, head, batch], (tm, d), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, d), (n_block, 0))
+        gLSE = cute.local_tile(mLSE[None, head, batch], (tm,), (None,))
+        gD = cute.local_tile(mD[None, head, batch], (tm,), (None,))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one, cute.group_modes(sLSE, 0, 1),
+                                           cute.group_modes(gLSE, 0, 1))
+        tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one, cute.group_modes(sD, 0, 1),
+                                           cute.group_modes(gD, 0, 1))
+
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
+        for m_block in cutlass.range(m_begin, m_end, unroll=1):
+            pipe_q.producer_acquire(st)
+            bar_q = pipe_q.producer_get_barrier(st)
+            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, st.index], tma_bar_ptr=bar_q)
+            cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, st.index], tma_bar_ptr=bar_q)
+            pipe_do.producer_acquire(st)
+            bar_do = pipe_do.producer_get_barrier(st)
+            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, st.index], tma_bar_ptr=bar_do)
+            cute.copy(tma_d, tDgD[None, m_block], tDsD[None, st.index], tma_bar_ptr=bar_do)
+            st.advance()
+
+    @cute.jit
+    def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+            mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor,
+            sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
+            sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv, pipe_q, pipe_do, scale_log2: Float32,
+            dk_scale: Float32, n_block: Int32, head: Int32, batch: Int32, m_begin: Int32,
+            m_end: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """MMA warpgroups: the loop over query blocks, then the dK / dV epilogue."""
+        tm, tn, d = self.tile_m, self.tile_n, self.d
+        tidx = cute.arch.thread_idx()[0] - WG_THREADS
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        wg_sdp = mma_sdp.get_slice(wg * WG_THREADS)
+        wg_dkv = mma_dkv.get_slice(wg * WG_THREADS)
+        tSrK = mma_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = mma_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tdPrV = mma_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tdPrdO = mma_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdO = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_mn(sdO)))
+        tdKrQ = mma_dkv.make_fragment_B(wg_dkv.partition_B(transpose_mn(sQ)))
+        tSrS = cute.make_rmem_tensor(wg_sdp.partition_shape_C((tn, tm)), Float32)
+        tdPrdP = cute.make_rmem_tensor(wg_sdp.partition_shape_C((tn, tm)), Float32)
+        tdVrP = mma_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        tdKrdS = mma_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        tdVrdV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, d)), Float32)
+        tdKrdK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, d)), Float32)
+        tdVrdV.fill(0.0)
+        tdKrdK.fill(0.0)
+
+        # dQ_wg = dS_wg K_wg over this warpgroup's 64 keys, in column chunks of K^T.
+        chunk = self.cfg.dq_chunk
+        thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
+        sdS_wg = cute.local_tile(sdS, (KEYS_PER_WG, tm), (wg, 0))
+        sK_wg = cute.local_tile(sK, (KEYS_PER_WG, d), (wg, 0))
+        tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS_wg)))
+        tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(
+            cute.local_tile(transpose_mn(sK_wg), (chunk, KEYS_PER_WG), (c, 0))))
+            for c in range(d // chunk)]
+        tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, chunk)))
+
+        # dS^T registers -> sdS (this warpgroup's 64 rows) with stmatrix.
+        store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                         self.dtype)
+        thr_store_dS = cute.make_tiled_copy_C(store_atom, mma_sdp).get_slice(tidx)
+        tdSsdS = thr_store_dS.partition_D(sdS)
+        rdS = cute.make_rmem_tensor_like(tdPrdP, self.dtype)
+
+        # Coordinates of this thread's and thread 0's S^T elements (mask, LSE/D columns).
+        cS = cute.make_identity_tensor((tn, tm))
+        tScS = mma_sdp.get_slice(tidx).partition_C(cS)
+        t0ScS = mma_sdp.get_slice(0).partition_C(cS)
+
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv)
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+        m_mask_end = cutlass.max(m_begin, block_info.m_block_mask_end(
+            n_block, tm, tn, seqlen_q, seqlen_k, self.causal))
+        frags = (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO,
+                 tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQcdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
+        for m_block in cutlass.range(m_begin, cutlass.min(m_mask_end, m_end), unroll=1):
+            st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sLSE, sD,
+                             mdQaccum, pipe_q, pipe_do, scale_log2, wg, n_block, head, batch,
+                             seqlen_q, seqlen_k)
+        for m_block in cutlass.range(m_mask_end, m_end, unroll=1):
+            st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sLSE, sD,
+                             mdQaccum, pipe_q, pipe_do, scale_log2, wg, n_block, head, batch,
+                             seqlen_q, seqlen_k)
+
+        self.epilogue(mma_dkv, tdKrdK, tdVrdV, mdK, mdV, dk_scale, tidx, n_block, head, batch,
+                      seqlen_k)
+
+    @cute.jit
+    def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
+               mma_dq, frags, sLSE: cute.Tensor, sD: cute.Tensor, mdQaccum: cute.Tensor,
+               pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32, head: Int32,
+               batch: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring)."""
+        (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
+         tdQrdS, tdQrK, tdQrdQ, tdQcdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
+        tm, tn = self.tile_m, self.tile_n
+        s = st.index
+        pipe_q.consumer_wait(st)
+        gemm(mma_sdp, tSrS, tSrK, tSrQ[None, None, None, s], zero_init=True, wait_group=-1)
+        pipe_do.consumer_wait(st)
+        gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s], zero_init=True,
+             wait_group=-1)
+        if const_expr(masked):
+            warpgroup.wait_group(0)  # the few diagonal/ragged blocks: no mask over live wgmma
+            apply_mask_key_major(tSrS, tScS, t0ScS, n_block, m_block, tn, tm, seqlen_q,
+                                 seqlen_k, self.causal)
+        else:
+            warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
+
+        # P^T = exp2(S^T * scale_log2 - LSE_log2[query]); a column of S^T is one query.
+        s_mn = acc_as_mn(tSrS)
+        dp_mn = acc_as_mn(tdPrdP)
+        c0_mn = acc_as_mn(t0ScS)
+        col0 = acc_as_mn(tScS)[0, 0][1]
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            lse = sLSE[col0 + c0_mn[0, c][1], s]
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+        tdVrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+        gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
+             wait_group=1)  # dP^T ready; dV keeps running
+
+        # dS^T = P^T o (dP^T - D[query]), unscaled (bwd_post / the epilogue apply the scale).
+        for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+            dsum = sD[col0 + c0_mn[0, c][1], s]
+            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dsum)
+        rdS.store(tdPrdP.load().to(self.dtype))
+        tdKrdS.store(acc_as_operand_a(rdS).load())
+
+        # This warpgroup's dS^T rows -> sdS; its previous dQ wgmma finished (wait 0 below).
+        cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
+        cute.arch.barrier(barrier_id=int(Barrier.DS_WG1) + wg, number_of_threads=WG_THREADS)
+        gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
+             wait_group=-1)
+
+        gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (tm, self.d), (m_block, 0))
+        for c in cutlass.range_constexpr(len(tdQrK)):
+            gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[c], zero_init=True, wait_group=0)
+            gdQ_c = cute.local_tile(gdQ, (tm, self.cfg.dq_chunk), (0, c))
+            for i in cutlass.range_constexpr(cute.size(tdQrdQ)):
+                cute.arch.atomic_add(
+                    gdQ_c.iterator + cute.crd2idx(tdQcdQ[i], gdQ_c.layout), tdQrdQ[i])
+        pipe_q.consumer_release(st)
+        pipe_do.consumer_release(st)
+        st.advance()
+        return st
+
+    @cute.jit
+    def epilogue(self, mma_dkv: cute.TiledMma, tdKrdK: cute.Tensor, tdVrdV: cute.Tensor,
+                 mdK: cute.Tensor, mdV: cute.Tensor, dk_scale: Float32, tidx: Int32,
+                 n_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32):
+        """dK * scale and dV -> global, straight from registers, rows past seqlen_k skipped."""
+        tn, d = self.tile_n, self.d
+        tdKrdK.store(tdKrdK.load() * dk_scale)
+        cKV = cute.make_identity_tensor((tn, d))
+        tdKVcKV = acc_as_mn(mma_dkv.get_slice(tidx).partition_C(cKV))
+        gdK = cute.local_tile(mdK[None, None, head, batch], (tn, d), (n_block, 0))
+        gdV = cute.local_tile(mdV[None, None, head, batch], (tn, d), (n_block, 0))
+        self.store_rows(tdKrdK, gdK, tdKVcKV, n_block, seqlen_k)
+        self.store_rows(tdVrdV, gdV, tdKVcKV, n_block, seqlen_k)
+
+    @cute.jit
+    def store_rows(self, acc: cute.Tensor, gOut: cute.Tensor, tcOut: cute.Tensor,
+                   n_block: Int32, seqlen_k: Int32):
+        out = cute.make_rmem_tensor_like(acc, self.dkv_dtype)
+        out.store(acc.load().to(self.dkv_dtype))
+        out_mn = acc_as_mn(out)
+        for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
+            row = tcOut[r, 0][0]
+            if n_block * self.tile_n + row < seqlen_k:
+                for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
+                    gOut[row, tcOut[r, c][1]] = out_mn[r, c]

@@ -1,0 +1,68 @@
+"""SM90 attention backward, step 3 of 3: fp32 accumulators -> gradients in the input dtype.
+
+One elementwise kernel, used up to three times per backward call:
+
+    out[b, s, j, :] = scale * sum_{g < G} acc[b, s, j * G + g, :]      (fp32 sum, one rounding)
+
+    dQ:        acc = dQaccum viewed as (b, sq, h, d) (it is stored (b, h, sq_pad, d)), G = 1,
+               scale = softmax_scale (the main kernel accumulates the unscaled dS K).
+    dK, dV:    only for GQA/MQA: acc = the per-query-head fp32 dK / dV (b, sk, h, d),
+               G = h / hk query heads share a KV head ("(hk g)" order, as in the oracle),
+               scale = 1 (the main kernel already scaled dK).
+
+Summing the group here rather than with atomics in the main kernel keeps the result independent
+of CTA timing and needs no zeroed accumulator. Thread mapping: one thread per 8-element vector
+of one output row (16 bytes out, G x 32 bytes in), a flat 1-D grid; sizes and strides are
+runtime values, so one compile serves every shape of a (dtype, head dim).
+"""
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+THREADS = 128
+VEC = 8  # elements per thread: 16 bytes of 2-byte output, two 16-byte fp32 loads per head
+
+
+class FlashBwdPostSm90:
+    def __init__(self, dtype, head_dim: int):
+        if head_dim % VEC != 0:
+            raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
+        self.dtype = dtype
+        self.d = head_dim
+
+    @cute.jit
+    def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
+                 stream: cuda.CUstream):
+        """mAcc (b, s, G * j, d) fp32 (any strides, d contiguous); mOut (b, s, j, d)."""
+        vecs_per_row = self.d // VEC
+        total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
+        self.kernel(mAcc, mOut, scale).launch(
+            grid=[cute.ceil_div(total, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32):
+        tidx = cute.arch.thread_idx()[0]
+        bidx = cute.arch.block_idx()[0]
+        batch, seqlen, heads_out = mOut.shape[0], mOut.shape[1], mOut.shape[2]
+        group = mAcc.shape[2] // heads_out
+        vecs_per_row = self.d // VEC
+        v = bidx * THREADS + tidx
+        col = v % vecs_per_row
+        row = v // vecs_per_row
+        head = row % heads_out
+        row = row // heads_out
+        pos = row % seqlen
+        b = row // seqlen
+        if b < batch:
+            acc = cute.make_rmem_tensor((VEC,), Float32)
+            acc.fill(0.0)
+            part = cute.make_rmem_tensor((VEC,), Float32)
+            for g in cutlass.range(group, unroll=1):
+                gAcc = cute.local_tile(mAcc[b, pos, head * group + g, None], (VEC,), (col,))
+                cute.autovec_copy(gAcc, part)
+                acc.store(acc.load() + part.load())
+            out = cute.make_rmem_tensor((VEC,), self.dtype)
+            out.store((acc.load() * scale).to(self.dtype))
+            cute.autovec_copy(out, cute.local_tile(mOut[b, pos, head, None], (VEC,), (col,)))
+

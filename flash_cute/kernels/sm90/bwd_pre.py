@@ -1,0 +1,88 @@
+"""SM90 attention backward, step 1 of 3: per-row statistics and the dQ accumulator.
+
+For every (batch, head, query row) this kernel writes
+
+    D[b, h, i]        = sum_c dO[b, i, h, c] * O[b, i, h, c]     (fp32; "dPsum" in FlashAttention)
+    LSE_log2[b, h, i] = LSE[b, h, i] * log2(e)                    (the main kernel's exp2 domain)
+    dQaccum[b, h, i, :] = 0                                       (fp32, the main kernel adds into it)
+
+over a padded row range 0 <= i < sq_pad (sq_pad = seqlen_q rounded up to the main kernel's
+query tile), so that every query tile of D / LSE_log2 / dQaccum is whole and 16-byte aligned for
+its TMA loads and never needs a bounds check. Rows that can have no probability mass get
+LSE_log2 = +inf, which makes the main kernel's P = exp2(S * scale_log2 - LSE_log2) exactly 0:
+  - padding rows (i >= seqlen_q), with D = 0;
+  - fully masked rows (forward LSE = -inf, e.g. causal with seqlen_q > seqlen_k); their O is 0,
+    so D = 0 as well. Keeping -inf there would give exp2(+inf) = inf and NaN gradients.
+
+Thread mapping: 128 threads per CTA, ROWS_PER_CTA = 32 rows, THREADS_PER_ROW = 4 consecutive
+lanes per row, each owning d/4 contiguous elements (a multiple of 8, so whole 16-byte vectors for
+every supported d); the row's dot product is a 4-lane butterfly reduction. Memory-bound: it
+reads dO and O once (4 * s * h * d bytes) and writes dQaccum once (4 * s * h * d bytes).
+"""
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+THREADS = 128
+THREADS_PER_ROW = 4                    # a quad: the row reduction is two shuffles
+ROWS_PER_CTA = THREADS // THREADS_PER_ROW
+LOG2E = math.log2(math.e)
+
+
+class FlashBwdPreSm90:
+    def __init__(self, dtype, head_dim: int):
+        if head_dim % (8 * THREADS_PER_ROW) != 0:
+            raise ValueError(f"head_dim {head_dim} must split into {THREADS_PER_ROW} 16B chunks")
+        self.dtype = dtype
+        self.d = head_dim
+        self.chunk = head_dim // THREADS_PER_ROW
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mLSElog2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
+                 stream: cuda.CUstream):
+        """mO, mdO (b, sq, h, d); mLSE (b, h, sq) fp32; mLSElog2, mD (b, h, sq_pad) fp32;
+        mdQaccum (b, h, sq_pad, d) fp32."""
+        sq_pad = mLSElog2.shape[2]
+        self.kernel(mO, mdO, mLSE, mLSElog2, mD, mdQaccum).launch(
+            grid=[cute.ceil_div(sq_pad, ROWS_PER_CTA), mO.shape[2], mO.shape[0]],
+            block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+               mLSElog2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor):
+        tidx = cute.arch.thread_idx()[0]
+        row_block, head, batch = cute.arch.block_idx()
+        seqlen_q, sq_pad = mO.shape[1], mLSElog2.shape[2]
+        part = tidx % THREADS_PER_ROW
+        row = row_block * ROWS_PER_CTA + tidx // THREADS_PER_ROW
+
+        dot = Float32(0.0)
+        if row < seqlen_q:
+            gO = cute.local_tile(mO[batch, row, head, None], (self.chunk,), (part,))
+            gdO = cute.local_tile(mdO[batch, row, head, None], (self.chunk,), (part,))
+            rO = cute.make_rmem_tensor_like(gO)
+            rdO = cute.make_rmem_tensor_like(gdO)
+            cute.autovec_copy(gO, rO)
+            cute.autovec_copy(gdO, rdO)
+            prod = rO.load().to(Float32) * rdO.load().to(Float32)
+            dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        dot = cute.arch.warp_reduction_sum(dot, threads_in_group=THREADS_PER_ROW)
+
+        if row < sq_pad:
+            if part == 0:
+                lse_log2 = Float32.inf  # padding row: P = 0
+                if row < seqlen_q:
+                    lse = mLSE[batch, head, row]
+                    if lse != -Float32.inf:
+                        lse_log2 = lse * Float32(LOG2E)
+                mLSElog2[batch, head, row] = lse_log2
+                mD[batch, head, row] = dot
+            gdQ = cute.local_tile(mdQaccum[batch, head, row, None], (self.chunk,), (part,))
+            zeros = cute.make_rmem_tensor_like(gdQ)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, gdQ)
+
