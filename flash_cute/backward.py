@@ -94,11 +94,13 @@ def _fake_padded_rows(batch, heads, sq_pad, d=None):
                                                  assumed_align=16)
 
 
-def _compile(fn, args, keep_cubin: bool):
+def _compile(fn, args, keep_cubin):
+    """keep_cubin: False (TVM-FFI entry point), True or "cubin" (keep the cubin), "ptx"."""
     import cutlass.cute as cute
 
     if keep_cubin:  # same device code; the plain host wrapper is the one that keeps the cubin
-        return cute.compile[cute.KeepCUBIN()](fn, *args, cute.runtime.make_fake_stream())
+        keep = cute.KeepPTX() if keep_cubin == "ptx" else cute.KeepCUBIN()
+        return cute.compile[keep](fn, *args, cute.runtime.make_fake_stream())
     try:
         import tvm_ffi  # noqa: F401
     except ImportError as e:
@@ -196,6 +198,11 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
     else:
         compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True)
     return compiled.__cubin__
+
+
+def bwd_ptx(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False) -> str:
+    """The PTX of one main-kernel variant, for ptxas checks (register use, C7512)."""
+    return _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin="ptx").__ptx__
 
 
 # -------------------------------------------------------------------------------- launch

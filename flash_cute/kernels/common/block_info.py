@@ -1,6 +1,5 @@
 """Which key blocks a query tile visits, and which of them need a mask."""
 import cutlass
-import cutlass.cute as cute
 from cutlass import Int32
 
 
@@ -31,18 +30,15 @@ def m_block_min_causal(n_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32
     return cutlass.max(first_row, 0) // tile_m
 
 
-@cute.jit
-def m_block_mask_end(n_block: Int32, tile_m: cutlass.Constexpr[int],
-                     tile_n: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32,
-                     causal: cutlass.Constexpr[bool]) -> Int32:
+def m_block_mask_end(n_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
+                     seqlen_k: Int32, causal: bool) -> Int32:
     """Query blocks below this index need a mask against key block ``n_block``: every block
     when the key block is ragged (keys past seqlen_k), else (causal) the blocks holding a row
-    that does not see the key block's last key."""
+    that does not see the key block's last key. Branch-free, so it also runs on Python ints."""
     num_m_blocks = (seqlen_q + tile_m - 1) // tile_m
-    end = Int32(0)
-    if cutlass.const_expr(causal):
+    end = 0
+    if causal:
         full_row = (n_block + 1) * tile_n - 1 - (seqlen_k - seqlen_q)  # first row seeing all
         end = cutlass.max(full_row + tile_m - 1, 0) // tile_m
-    if (n_block + 1) * tile_n > seqlen_k:
-        end = num_m_blocks
-    return cutlass.min(end, num_m_blocks)
+    ragged = cutlass.min(cutlass.max((n_block + 1) * tile_n - seqlen_k, 0), 1)  # 0 or 1
+    return cutlass.min(cutlass.max(end, ragged * num_m_blocks), num_m_blocks)

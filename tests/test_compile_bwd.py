@@ -1,0 +1,187 @@
+"""CPU tests of the fused SM90 backward: every kernel compiles for sm_90a, its SASS is sane, and
+the kernel's block plan (which query blocks a key block visits and masks, LSE_log2 = +inf on
+empty rows, D = rowsum(dO o O)) reproduces the oracle's gradients in a float64 emulation.
+
+The kernels themselves need an H200: bench/check_bwd.py runs them against the oracle.
+"""
+import math
+import os
+import subprocess
+
+import pytest
+import torch
+
+from flash_cute import backward
+from flash_cute.kernels.common import block_info
+from flash_cute.reference import attention_ref
+
+from test_compile import _nvdisasm, _opcodes
+
+ARCH = "sm_90a"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _arch():
+    if os.environ.get("CUTE_DSL_ARCH", ARCH) != ARCH:
+        pytest.skip(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']}, these tests build {ARCH}")
+
+
+def _sass(cubin, tmp_path):
+    assert cubin and cubin[:4] == b"\x7fELF", "no cubin came out"
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed: cubin built, SASS not checked")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+    return _opcodes(sass)
+
+
+@pytest.mark.parametrize("dtype,d,causal,gqa", backward.bwd_variants(), ids=lambda v: str(v))
+def test_bwd_main_compiles(dtype, d, causal, gqa, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # KeepCUBIN drops a file into the cwd
+    ops = _sass(backward.bwd_cubin(ARCH, dtype, d, causal, gqa), tmp_path)
+    assert ops.get("HGMMA", 0) > 0, "no HGMMA: the kernel is off the wgmma path"
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
+    assert ops.get("UTMALDG", 0) > 0, "no TMA loads"
+    assert ops.get("REDG", 0) + ops.get("ATOMG", 0) > 0, "no dQ reduction into global memory"
+    per_group = ops["HGMMA"] / max(ops.get("WARPGROUP.ARRIVE", 0), 1)
+    assert per_group >= 1.5, f"wgmma serialized: {per_group:.1f} HGMMA per WARPGROUP.ARRIVE"
+
+
+@pytest.mark.parametrize("kernel", ["pre", "post"])
+@pytest.mark.parametrize("dtype", ["BFloat16", "Float16"])
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_bwd_pre_post_compile(kernel, dtype, d, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ops = _sass(backward.bwd_cubin(ARCH, dtype, d, kernel=kernel), tmp_path)
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
+    assert ops.get("LDG", 0) > 0 and ops.get("STG", 0) > 0
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
+def test_bwd_ptxas_report(d, causal, tmp_path, monkeypatch):
+    """ptxas itself: no spills and no C7512 (wgmma serialized for lack of registers)."""
+    ptxas = "/usr/local/bin/ptxas"
+    if not os.path.exists(ptxas):
+        pytest.skip("ptxas not installed")
+    monkeypatch.chdir(tmp_path)
+    ptx = tmp_path / "k.ptx"
+    ptx.write_text(backward.bwd_ptx(ARCH, "BFloat16", d, causal))
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.o")],
+                         capture_output=True, text=True, check=True)
+    report = res.stdout + res.stderr
+    assert "C7512" not in report, report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_bwd_cache_key_ignores_lengths():
+    pytest.importorskip("tvm_ffi")
+    before = backward.compile_cache_size()
+    backward.get_bwd_kernels(ARCH, "BFloat16", 64, False, False)
+    backward.get_bwd_kernels(ARCH, "BFloat16", 64, False, False)
+    assert backward.compile_cache_size() <= before + 3  # pre, main, post once each
+
+
+def test_bwd_host_rejects():
+    q = torch.zeros(1, 4, 2, 64)
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        backward.bwd(q, q, q, q, q, torch.zeros(1, 2, 4), softmax_scale=0.125, causal=False,
+                     deterministic=True)
+    q = torch.zeros(1, 4, 2, 256)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        backward.bwd(q, q, q, q, q, torch.zeros(1, 2, 4), softmax_scale=0.0625, causal=False)
+    assert backward.unsupported_bwd_option(head_dim=128) is None
+    assert "head_dim" in backward.unsupported_bwd_option(head_dim=192)
+
+
+def test_fused_bwd_env_flag(monkeypatch):
+    monkeypatch.delenv(backward.ENV_FLAG, raising=False)
+    assert not backward.fused_bwd_enabled()
+    monkeypatch.setenv(backward.ENV_FLAG, "1")
+    assert backward.fused_bwd_enabled()
+
+
+# ------------------------------------------------------------- float64 emulation of the plan
+def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
+    """The kernels' algorithm, block by block, in float64: bwd_pre's D and LSE_log2 (with its
+    padding and +inf rules), the main kernel's m-block range and mask range per key block
+    (block_info), and the transposed tiles; asserts the plan never skips or leaves unmasked a
+    score that the causal/ragged rule would mask differently."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    sq_pad = -(-sq // tile_m) * tile_m
+    nkb = -(-sk // tile_n)
+    f = torch.float64
+    pad_q = lambda t: torch.cat([t, t.new_zeros(b, sq_pad - sq, *t.shape[2:])], 1)  # noqa
+    pad_k = lambda t: torch.cat([t, t.new_zeros(b, nkb * tile_n - sk, *t.shape[2:])], 1)  # noqa
+    Q, dO, O = (pad_q(t.to(f)) for t in (q, dout, out))
+    K, V = (pad_k(t.to(f)) for t in (k, v))
+    lse_log2 = torch.full((b, h, sq_pad), math.inf, dtype=f)
+    lse_log2[:, :, :sq] = torch.where(lse == -math.inf, math.inf, lse.to(f) * math.log2(math.e))
+    D = torch.zeros((b, h, sq_pad), dtype=f)
+    D[:, :, :sq] = (dout.to(f) * out.to(f)).sum(-1).transpose(1, 2)
+    dQacc = torch.zeros((b, h, sq_pad, d), dtype=f)
+    dK = torch.zeros((b, nkb * tile_n, h, d), dtype=f)
+    dV = torch.zeros_like(dK)
+    off = sk - sq
+    scale_log2 = scale * math.log2(math.e)
+    for bi in range(b):
+        for hi in range(h):
+            for n in range(nkb):
+                m_begin = block_info.m_block_min_causal(n, tile_m, tile_n, sq, sk) if causal else 0
+                m_end = -(-sq // tile_m)
+                mask_end = max(m_begin, block_info.m_block_mask_end(n, tile_m, tile_n, sq, sk,
+                                                                    causal))
+                keys = torch.arange(n * tile_n, (n + 1) * tile_n).view(-1, 1)
+                Kt, Vt = K[bi, n * tile_n:(n + 1) * tile_n, hi // g], V[bi, n * tile_n:(n + 1) * tile_n, hi // g]
+                for m in range(0, m_end):
+                    rows = torch.arange(m * tile_m, (m + 1) * tile_m).view(1, -1)
+                    allowed = (keys < sk) & (rows < sq)
+                    if causal:
+                        allowed &= keys <= rows + off
+                    if m < m_begin:
+                        assert not allowed.any(), (n, m, "skipped block has visible scores")
+                        continue
+                    Qt = Q[bi, m * tile_m:(m + 1) * tile_m, hi]
+                    dOt = dO[bi, m * tile_m:(m + 1) * tile_m, hi]
+                    St = Kt @ Qt.T                                  # S^T: keys x queries
+                    if m < mask_end:
+                        kernel_ok = (keys < sk) & ((keys <= rows + off) if causal else True)
+                        St = St.masked_fill(~kernel_ok, -math.inf)
+                    else:
+                        bad = ~allowed & (rows < sq)
+                        assert not bad.any(), (n, m, "unmasked block needs a mask")
+                    lt = lse_log2[bi, hi, m * tile_m:(m + 1) * tile_m].view(1, -1)
+                    Pt = torch.exp2(St * scale_log2 - lt)
+                    dPt = Vt @ dOt.T
+                    dSt = Pt * (dPt - D[bi, hi, m * tile_m:(m + 1) * tile_m].view(1, -1))
+                    dV[bi, n * tile_n:(n + 1) * tile_n, hi] += Pt @ dOt
+                    dK[bi, n * tile_n:(n + 1) * tile_n, hi] += dSt @ Qt
+                    dQacc[bi, hi, m * tile_m:(m + 1) * tile_m] += dSt.T @ Kt
+    dq = (dQacc[:, :, :sq] * scale).transpose(1, 2)
+    dk = (dK[:, :sk] * scale).view(b, sk, hk, g, d).sum(3)
+    dv = dV[:, :sk].view(b, sk, hk, g, d).sum(3)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("sq,sk,h,hk,causal", [
+    (1, 1, 1, 1, False), (3, 3, 2, 1, True), (13, 5, 2, 2, True), (5, 13, 2, 1, True),
+    (17, 29, 3, 1, False), (29, 17, 2, 2, True), (16, 16, 1, 1, True), (7, 24, 4, 2, True)])
+def test_bwd_plan_matches_oracle(sq, sk, h, hk, causal):
+    torch.manual_seed(0)
+    b, d, scale = 2, 8, 0.35
+    q = torch.randn(b, sq, h, d, dtype=torch.float64)
+    k = torch.randn(b, sk, hk, d, dtype=torch.float64)
+    v = torch.randn(b, sk, hk, d, dtype=torch.float64)
+    dout = torch.randn(b, sq, h, d, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, softmax_scale=scale, causal=causal)
+    ref = torch.autograd.grad(out, leaves, dout)
+    got = _emulate_bwd(q, k, v, out.detach(), dout, lse.detach(), scale, causal,
+                       tile_m=4, tile_n=8)
+    for name, g_, r in zip("qkv", got, ref):
+        # the oracle computes in fp32 (upcast=True), so fp32-level agreement is the target
+        assert torch.allclose(g_, r, atol=1e-5, rtol=1e-4), f"d{name}: {(g_ - r).abs().max()}"
