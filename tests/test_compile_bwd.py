@@ -117,7 +117,7 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
     f = torch.float64
     pad_q = lambda t: torch.cat([t, t.new_zeros(b, sq_pad - sq, *t.shape[2:])], 1)  # noqa
     pad_k = lambda t: torch.cat([t, t.new_zeros(b, nkb * tile_n - sk, *t.shape[2:])], 1)  # noqa
-    Q, dO, O = (pad_q(t.to(f)) for t in (q, dout, out))
+    Q, dO = (pad_q(t.to(f)) for t in (q, dout))
     K, V = (pad_k(t.to(f)) for t in (k, v))
     lse_log2 = torch.full((b, h, sq_pad), math.inf, dtype=f)
     lse_log2[:, :, :sq] = torch.where(lse == -math.inf, math.inf, lse.to(f) * math.log2(math.e))
@@ -136,7 +136,8 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
                 mask_end = max(m_begin, block_info.m_block_mask_end(n, tile_m, tile_n, sq, sk,
                                                                     causal))
                 keys = torch.arange(n * tile_n, (n + 1) * tile_n).view(-1, 1)
-                Kt, Vt = K[bi, n * tile_n:(n + 1) * tile_n, hi // g], V[bi, n * tile_n:(n + 1) * tile_n, hi // g]
+                blk = slice(n * tile_n, (n + 1) * tile_n)
+                Kt, Vt = K[bi, blk, hi // g], V[bi, blk, hi // g]
                 for m in range(0, m_end):
                     rows = torch.arange(m * tile_m, (m + 1) * tile_m).view(1, -1)
                     allowed = (keys < sk) & (rows < sq)

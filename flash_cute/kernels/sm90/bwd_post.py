@@ -65,4 +65,3 @@ class FlashBwdPostSm90:
             out = cute.make_rmem_tensor((VEC,), self.dtype)
             out.store((acc.load() * scale).to(self.dtype))
             cute.autovec_copy(out, cute.local_tile(mOut[b, pos, head, None], (VEC,), (col,)))
-

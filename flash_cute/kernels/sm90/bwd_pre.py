@@ -4,7 +4,7 @@ For every (batch, head, query row) this kernel writes
 
     D[b, h, i]        = sum_c dO[b, i, h, c] * O[b, i, h, c]     (fp32; "dPsum" in FlashAttention)
     LSE_log2[b, h, i] = LSE[b, h, i] * log2(e)                    (the main kernel's exp2 domain)
-    dQaccum[b, h, i, :] = 0                                       (fp32, the main kernel adds into it)
+    dQaccum[b, h, i, :] = 0                                       (fp32, the main kernel adds)
 
 over a padded row range 0 <= i < sq_pad (sq_pad = seqlen_q rounded up to the main kernel's
 query tile), so that every query tile of D / LSE_log2 / dQaccum is whole and 16-byte aligned for
@@ -22,7 +22,6 @@ reads dO and O once (4 * s * h * d bytes) and writes dQaccum once (4 * s * h * d
 import math
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
@@ -85,4 +84,3 @@ class FlashBwdPreSm90:
             zeros = cute.make_rmem_tensor_like(gdQ)
             zeros.fill(0.0)
             cute.autovec_copy(zeros, gdQ)
-
