@@ -1,11 +1,21 @@
-"""Autograd wrapper around the forward kernels.
+"""Autograd wiring around the forward kernels.
 
-Forward: ``flash_cute.dispatch.fwd`` (the fused kernel). Backward: INTERIM. The fused SM90
-backward is a later issue; until it lands, backward recomputes attention in fp32 with the
-reference (``flash_cute.reference.attention_ref``) and differentiates that. It is exact up to
-fp32 rounding, but unfused: it materialises the (sq, sk) score matrix, O(s^2) memory and slow.
+Batched calls go through two ``torch.library`` custom ops, ``flash_cute::fwd`` and
+``flash_cute::bwd``, with a registered autograd formula. torch.compile records each op as one
+opaque node shaped by its fake impl instead of tracing into the kernel launch (which it cannot
+trace), so attention causes no graph break. The ops take only what the batched kernel runs:
+validation and the unsupported-option checks have already run in Python (interface.py), which
+guarantees the defaults for every other option.
+
+Varlen calls (no varlen kernels yet: unreachable unless a test lifts the option check) use a
+plain autograd.Function that passes every option through.
+
+Backward: INTERIM. The fused SM90 backward is a later issue; until it lands, backward recomputes
+attention in fp32 with the reference (``flash_cute.reference.attention_ref``) and differentiates
+that. It is exact up to fp32 rounding, but unfused: it materialises the (sq, sk) score matrix,
+O(s^2) memory and slow.
 """
-from __future__ import annotations
+import contextlib
 
 import torch
 
@@ -13,43 +23,107 @@ from flash_cute import dispatch
 from flash_cute.reference import attention_ref
 
 
-class FlashAttnFunc(torch.autograd.Function):
-    """(q, k, v, options...) -> (out, lse). lse is non-differentiable."""
+# The autograd dispatch keys of dense tensors (AutogradCPU, AutogradCUDA, ...; one functionality
+# bit), which torch.library excludes around a custom op's implementation, below autograd.
+_AUTOGRAD_KEY = torch._C.DispatchKey.AutogradFunctionality
+
+
+@contextlib.contextmanager
+def _autograd_enabled():
+    """Autograd on, also inside a custom op's implementation.
+
+    There the autograd dispatch keys are excluded, so enable_grad alone would record no graph
+    and the recompute below could not be differentiated. This lifts that exclusion (only it)
+    for the duration. torch has no public switch for it; torch.func.vjp, the public way to get
+    gradients there, breaks as soon as any TorchDispatchMode is active (FlopCounterMode,
+    opcheck's checks): the mode is handed functorch's wrapper tensors. Goes with the interim
+    backward.
+    """
+    excluded = torch._C._dispatch_tls_local_exclude_set().remove(_AUTOGRAD_KEY)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
+        with torch.enable_grad():
+            yield
+
+
+def _interim_grads(dout, q, k, v, needs, **ref_opts):
+    """[dq, dk, dv], None where ``needs`` is False: gradients of the fp32 reference, each in its
+    input's dtype and contiguous (the layout the fake impl promises torch.compile)."""
+    with _autograd_enabled():
+        leaves = [t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), needs)]
+        ref, _ = attention_ref(*leaves, upcast=True, **ref_opts)
+        wanted = [t for t, n in zip(leaves, needs) if n]
+        computed = iter(torch.autograd.grad(ref, wanted, dout.float()))
+    return [next(computed).contiguous().to(t.dtype) if n else None
+            for t, n in zip((q, k, v), needs)]
+
+
+# Explicit schemas: the ops' contract, spelled out rather than inferred from type hints.
+@torch.library.custom_op(
+    "flash_cute::fwd", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal)"
+           " -> (Tensor out, Tensor lse)")
+def _fwd(q, k, v, softmax_scale, causal):
+    # Looked up on the module at call time, so tests can stand in a CPU forward.
+    return dispatch.fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, softmax_scale, causal):
+    b, sq, h, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((b, h, sq), dtype=torch.float32))
+
+
+@torch.library.custom_op(
+    "flash_cute::bwd", mutates_args=(),
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
+           " float softmax_scale, bool causal) -> (Tensor dq, Tensor dk, Tensor dv)")
+def _bwd(dout, q, k, v, out, lse, softmax_scale, causal):
+    # out and lse are in the schema for the fused backward; the interim one recomputes them.
+    # Any dout layout works here: it is copied to fp32 first. The schema returns all three.
+    return tuple(_interim_grads(dout, q, k, v, (True, True, True),
+                                softmax_scale=softmax_scale, causal=causal))
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    grads = torch.ops.flash_cute.bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
+    # The op computes all three; hand autograd only those it asked for.
+    return (*(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])), None, None)
+
+
+_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+class FlashAttnVarlenFunc(torch.autograd.Function):
+    """(q, k, v, opts) -> (out, lse), opts being dispatch.fwd's keyword arguments. lse is
+    non-differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                dropout_p, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                seqused_k):
-        # Looked up on the module at call time, so tests can stand in a CPU forward.
-        out, lse = dispatch.fwd(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
-        # out and lse are saved for the fused backward to come; the interim one ignores them.
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                              seqused_q, seqused_k)
-        ctx.opts = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                        softcap=softcap)
+    def forward(ctx, q, k, v, opts):
+        out, lse = dispatch.fwd(q, k, v, **opts)
+        ctx.save_for_backward(q, k, v)
+        ctx.opts = opts
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, dlse):
-        # backward: unfused PyTorch recompute (O(s^2) memory) until the fused SM90 backward
-        # lands. dlse is ignored: lse is marked non-differentiable.
-        q, k, v, _out, _lse, alibi, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        grads = [None, None, None]
-        if any(needs):
-            with torch.enable_grad():
-                leaves = [t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), needs)]
-                ref, _ = attention_ref(*leaves, alibi_slopes=alibi, cu_seqlens_q=cu_q,
-                                       cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k,
-                                       upcast=True, **ctx.opts)
-                wanted = [t for t, n in zip(leaves, needs) if n]
-                computed = iter(torch.autograd.grad(ref, wanted, dout.float()))
-            for i, (t, n) in enumerate(zip((q, k, v), needs)):
-                if n:
-                    grads[i] = next(computed).to(t.dtype)
-        return (*grads,) + (None,) * 12
+    def backward(ctx, dout, _dlse):
+        q, k, v = ctx.saved_tensors
+        # The reference takes no max_seqlen (it reads cu_seqlens) and dropout_p is always 0.
+        ref_opts = {name: val for name, val in ctx.opts.items()
+                    if name not in ("dropout_p", "max_seqlen_q", "max_seqlen_k")}
+        return (*_interim_grads(dout, q, k, v, ctx.needs_input_grad[:3], **ref_opts), None)

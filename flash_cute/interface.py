@@ -1,5 +1,5 @@
 """Public, FlashAttention-2-compatible entry points. Thin: validate, refuse what the kernels
-cannot run yet, then hand over to autograd.
+cannot run yet, then hand over to the ``flash_cute::fwd`` custom op (autograd.py).
 
 Differences from FA2: dropout is not supported (dropout_p must be 0.0), so with
 return_attn_probs=True the third value (S_dmask) is always None. ``deterministic`` is accepted
@@ -7,8 +7,10 @@ for compatibility; the forward is deterministic and so is the interim backward.
 """
 from __future__ import annotations
 
+import torch
+
 from flash_cute import dispatch, validation
-from flash_cute.autograd import FlashAttnFunc
+from flash_cute.autograd import FlashAttnVarlenFunc
 
 # Tests set this to False (with a stand-in for dispatch.fwd) to run the whole path on CPU.
 _REQUIRE_CUDA = True
@@ -25,10 +27,11 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
         alibi_slopes=opts["alibi_slopes"], varlen=varlen)
     if why is not None:
         raise NotImplementedError(f"flash_cute: unsupported option {why}")
-    out, lse = FlashAttnFunc.apply(
-        q, k, v, opts["softmax_scale"], opts["causal"], opts["window_size"], opts["softcap"],
-        opts["alibi_slopes"], opts["dropout_p"], opts["cu_seqlens_q"], opts["cu_seqlens_k"],
-        opts["max_seqlen_q"], opts["max_seqlen_k"], opts["seqused_q"], opts["seqused_k"])
+    if varlen:
+        out, lse = FlashAttnVarlenFunc.apply(q, k, v, opts)
+    else:
+        # The check above leaves every other option at its default, so the op needs only these.
+        out, lse = torch.ops.flash_cute.fwd(q, k, v, opts["softmax_scale"], opts["causal"])
     return (out, lse, None) if return_attn_probs else out
 
 

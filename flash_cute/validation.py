@@ -68,7 +68,10 @@ def check_layout(name, t):
             raise ValueError(f"{name} has stride {t.stride(dim)} in dimension {dim}, not a "
                              f"multiple of {align} elements ({ALIGN_BYTES} bytes); "
                              "call .contiguous()")
-    if t.data_ptr() % ALIGN_BYTES != 0:
+    # torch.compile traces without addresses (data_ptr() would break the graph), so compiled
+    # calls skip this one; the kernel's TVM-FFI wrapper checks the address again at launch and
+    # raises ValueError ("Misaligned Tensor data"), still before anything runs.
+    if not torch.compiler.is_compiling() and t.data_ptr() % ALIGN_BYTES != 0:
         raise ValueError(f"{name} data pointer is not {ALIGN_BYTES}-byte aligned; "
                          "call .contiguous()")
 

@@ -1,7 +1,8 @@
 """The public API and autograd wiring, run on CPU with the reference standing in for the kernel.
 
 dispatch.fwd is replaced by the fp32 oracle, so these tests check plumbing (argument passing,
-packed views, return conventions, the interim backward), not kernel numerics.
+packed views, return conventions, the interim backward, the flash_cute::fwd/bwd custom ops and
+torch.compile over them), not kernel numerics.
 """
 import pytest
 import torch
@@ -21,7 +22,9 @@ def standin(monkeypatch):
     def fwd(q, k, v, *, dropout_p=0.0, max_seqlen_q=None, max_seqlen_k=None, **kw):
         calls.append(dict(q=q, k=k, v=v, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                           **kw))
-        return attention_ref(q, k, v, **kw)
+        out, lse = attention_ref(q, k, v, **kw)
+        # dispatch.fwd returns out contiguous, and the op's fake impl says so to torch.compile.
+        return out.contiguous(), lse
 
     monkeypatch.setattr(interface, "_REQUIRE_CUDA", False)
     monkeypatch.setattr(dispatch, "fwd", fwd)
@@ -114,6 +117,98 @@ def test_varlen_plumbing(standin, monkeypatch):
     for got, want in zip((q.grad, k.grad, v.grad), ref_grads(q, k, v, dout, **kw)):
         torch.testing.assert_close(got, want.to(BF16), atol=0, rtol=0)
     assert (q.grad[2] == 0).all()  # an unused query row gets no gradient
+
+
+@pytest.mark.parametrize("needs", ["k", "v", "kv", "qv"])
+def test_grad_subsets_and_strided_dout(standin, needs):
+    # Any subset of q, k, v may need grads; dout may be any layout (here a transposed view).
+    q, k, v = (rand(2, 6, 4, 64, seed=0, grad="q" in needs),
+               rand(2, 9, 2, 64, seed=1, grad="k" in needs),
+               rand(2, 9, 2, 64, seed=2, grad="v" in needs))
+    out = flash_cute.flash_attn_func(q, k, v, causal=True)
+    dout = rand(2, 64, 4, 6, seed=3, grad=False).transpose(1, 3)
+    assert not dout.is_contiguous()
+    out.backward(dout)
+    for name, t, want in zip("qkv", (q, k, v), ref_grads(q, k, v, dout, causal=True)):
+        if name in needs:
+            torch.testing.assert_close(t.grad, want.to(BF16), atol=0, rtol=0)
+        else:
+            assert t.grad is None
+
+
+def test_backward_under_dispatch_mode(standin):
+    # A TorchDispatchMode active during backward (FlopCounterMode is a common one) must not
+    # break the interim recompute inside flash_cute::bwd (torch.func.vjp there would).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = rand(1, 5, 2, 64), rand(1, 5, 2, 64, seed=1), rand(1, 5, 2, 64, seed=2)
+    dout = rand(1, 5, 2, 64, seed=3, grad=False)
+    with FlopCounterMode(display=False):
+        flash_cute.flash_attn_func(q, k, v).backward(dout)
+    for got, want in zip((q.grad, k.grad, v.grad), ref_grads(q, k, v, dout)):
+        torch.testing.assert_close(got, want.to(BF16), atol=0, rtol=0)
+
+
+# What torch.library.opcheck runs: schema (no mutation or aliasing the schema does not declare),
+# autograd registration, fake impl vs real outputs (shapes, dtypes, strides), and AOT autograd
+# with dynamic shapes.
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_fwd(standin, causal):
+    q, k, v = rand(2, 5, 4, 64), rand(2, 7, 2, 64, seed=1), rand(2, 7, 2, 64, seed=2)
+    torch.library.opcheck(torch.ops.flash_cute.fwd.default, (q, k, v, 0.3, causal),
+                          test_utils=OPCHECK_TESTS)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_bwd(standin, causal):
+    q, k, v = (rand(2, 5, 4, 64, grad=False), rand(2, 7, 2, 64, seed=1, grad=False),
+               rand(2, 7, 2, 64, seed=2, grad=False))
+    out, lse = torch.ops.flash_cute.fwd(q, k, v, 0.3, causal)
+    dout = rand(2, 64, 4, 5, seed=3, grad=False).transpose(1, 3)  # strided
+    torch.library.opcheck(torch.ops.flash_cute.bwd.default,
+                          (dout, q, k, v, out, lse, 0.3, causal), test_utils=OPCHECK_TESTS)
+
+
+class _TinyAttention(torch.nn.Module):
+    def __init__(self, dim=64, heads=4, heads_kv=2):
+        super().__init__()
+        self.heads, self.heads_kv = heads, heads_kv
+        self.q = torch.nn.Linear(dim, heads * 64, dtype=BF16)
+        self.kv = torch.nn.Linear(dim, 2 * heads_kv * 64, dtype=BF16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, 64)
+        k, v = self.kv(x).view(b, s, 2, self.heads_kv, 64).unbind(2)
+        return flash_cute.flash_attn_func(q, k, v, causal=True).float().square().mean()
+
+
+def test_torch_compile_fullgraph(standin):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    model = _TinyAttention()
+    x = rand(2, 9, 64, seed=4)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        # fullgraph=True raises on any graph break.
+        torch.compile(model, fullgraph=True, backend=counter)(x).backward()
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+    assert "flash_cute.fwd" in counter.graphs[0].code  # one opaque node, not traced through
+    compiled = [x.grad] + [p.grad for p in model.parameters()]
+
+    x.grad = None
+    model.zero_grad()
+    model(x).backward()
+    for got, want in zip(compiled, [x.grad] + [p.grad for p in model.parameters()]):
+        assert torch.equal(got, want)
 
 
 def test_public_api():
