@@ -11,44 +11,51 @@ Varlen calls (no varlen kernels yet: unreachable unless a test lifts the option 
 plain autograd.Function that passes every option through.
 
 Backward: INTERIM. The fused SM90 backward is a later issue; until it lands, backward recomputes
-attention in fp32 with the reference (``flash_cute.reference.attention_ref``) and differentiates
-that. It is exact up to fp32 rounding, but unfused: it materialises the (sq, sk) score matrix,
-O(s^2) memory and slow.
+attention in fp32 in plain PyTorch (the fused kernel's formulas written out; varlen
+differentiates the reference instead). It matches the fp32 oracle's gradients up to fp32
+rounding, but is unfused: it materialises the (sq, sk) score matrix, O(s^2) memory and slow.
 """
-import contextlib
-
 import torch
 
 from flash_cute import dispatch
 from flash_cute.reference import attention_ref
 
 
-# The autograd dispatch keys of dense tensors (AutogradCPU, AutogradCUDA, ...; one functionality
-# bit), which torch.library excludes around a custom op's implementation, below autograd.
-_AUTOGRAD_KEY = torch._C.DispatchKey.AutogradFunctionality
+def _interim_bwd(dout, q, k, v, softmax_scale, causal):
+    """(dq, dk, dv) of batched attention, recomputed in fp32 with the backward written out.
 
-
-@contextlib.contextmanager
-def _autograd_enabled():
-    """Autograd on, also inside a custom op's implementation.
-
-    There the autograd dispatch keys are excluded, so enable_grad alone would record no graph
-    and the recompute below could not be differentiated. This lifts that exclusion (only it)
-    for the duration. torch has no public switch for it; torch.func.vjp, the public way to get
-    gradients there, breaks as soon as any TorchDispatchMode is active (FlopCounterMode,
-    opcheck's checks): the mode is handed functorch's wrapper tensors. Goes with the interim
-    backward.
+    The formulas are the fused backward's (P = exp(S - lse), D = rowsum(dO * O),
+    dS = P * (dP - D)), so no autograd runs inside the custom op: torch excludes the autograd
+    keys there, and public workarounds break under TorchDispatchModes. Each result is in its
+    input's dtype and contiguous (the layout the fake impl promises torch.compile).
     """
-    excluded = torch._C._dispatch_tls_local_exclude_set().remove(_AUTOGRAD_KEY)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
-        with torch.enable_grad():
-            yield
+    b, sq, h, _ = q.shape
+    sk, group = k.shape[1], q.shape[2] // k.shape[2]
+    qf, do = q.float(), dout.float()
+    kf, vf = (t.float().repeat_interleave(group, dim=2) for t in (k, v))  # GQA: per query head
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
+    if causal:  # bottom-right aligned, as in the forward
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0))  # fully masked rows: exp(-inf) = 0
+    o = torch.einsum("bhqk,bkhd->bqhd", p, vf)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
+    delta = (do * o).sum(-1).transpose(1, 2)[..., None]  # D, (b, h, sq, 1)
+    ds = p * (dp - delta) * softmax_scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf)
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf)
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
+    if group > 1:  # sum the query heads that share a KV head
+        dk, dv = (t.unflatten(2, (k.shape[2], group)).sum(3) for t in (dk, dv))
+    return tuple(g.contiguous().to(t.dtype) for g, t in zip((dq, dk, dv), (q, k, v)))
 
 
 def _interim_grads(dout, q, k, v, needs, **ref_opts):
     """[dq, dk, dv], None where ``needs`` is False: gradients of the fp32 reference, each in its
-    input's dtype and contiguous (the layout the fake impl promises torch.compile)."""
-    with _autograd_enabled():
+    input's dtype and contiguous. Used outside custom ops only (varlen), where autograd runs."""
+    with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), needs)]
         ref, _ = attention_ref(*leaves, upcast=True, **ref_opts)
         wanted = [t for t, n in zip(leaves, needs) if n]
@@ -81,8 +88,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal):
 def _bwd(dout, q, k, v, out, lse, softmax_scale, causal):
     # out and lse are in the schema for the fused backward; the interim one recomputes them.
     # Any dout layout works here: it is copied to fp32 first. The schema returns all three.
-    return tuple(_interim_grads(dout, q, k, v, (True, True, True),
-                                softmax_scale=softmax_scale, causal=causal))
+    return _interim_bwd(dout, q, k, v, softmax_scale, causal)
 
 
 @_bwd.register_fake

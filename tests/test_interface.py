@@ -36,6 +36,11 @@ def rand(*shape, seed=0, grad=True):
     return torch.randn(*shape, generator=g).to(BF16).requires_grad_(grad)
 
 
+# The interim backward recomputes in fp32 with the backward written out; it differs from autograd
+# through the oracle by fp32 rounding, which can move a bf16 result by one step.
+ONE_BF16_STEP = dict(rtol=2 ** -7, atol=2 ** -16)
+
+
 def ref_grads(q, k, v, dout, **kw):
     """Gradients of the fp32 oracle, by plain autograd on fp32 leaves."""
     leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
@@ -59,7 +64,7 @@ def test_func_forward_and_backward(standin, causal):
     for got, want in zip((q.grad, k.grad, v.grad), ref_grads(q, k, v, dout, causal=causal,
                                                              softmax_scale=0.2)):
         assert got.dtype == BF16
-        torch.testing.assert_close(got, want.to(BF16), atol=0, rtol=0)
+        torch.testing.assert_close(got, want.to(BF16), **ONE_BF16_STEP)
 
 
 def test_default_scale_and_plain_return(standin):
@@ -84,7 +89,7 @@ def test_qkvpacked_uses_views_and_grads_reach_qkv(standin):
     dout = rand(*out.shape, seed=5, grad=False)
     out.backward(dout)
     want = ref_grads(*qkv.unbind(2), dout, causal=True)
-    torch.testing.assert_close(qkv.grad, torch.stack(want, dim=2).to(BF16), atol=0, rtol=0)
+    torch.testing.assert_close(qkv.grad, torch.stack(want, dim=2).to(BF16), **ONE_BF16_STEP)
 
 
 def test_kvpacked(standin):
@@ -115,7 +120,7 @@ def test_varlen_plumbing(standin, monkeypatch):
     dout = rand(*out.shape, seed=3, grad=False)
     out.backward(dout)
     for got, want in zip((q.grad, k.grad, v.grad), ref_grads(q, k, v, dout, **kw)):
-        torch.testing.assert_close(got, want.to(BF16), atol=0, rtol=0)
+        torch.testing.assert_close(got, want.to(BF16), **ONE_BF16_STEP)
     assert (q.grad[2] == 0).all()  # an unused query row gets no gradient
 
 
@@ -131,7 +136,7 @@ def test_grad_subsets_and_strided_dout(standin, needs):
     out.backward(dout)
     for name, t, want in zip("qkv", (q, k, v), ref_grads(q, k, v, dout, causal=True)):
         if name in needs:
-            torch.testing.assert_close(t.grad, want.to(BF16), atol=0, rtol=0)
+            torch.testing.assert_close(t.grad, want.to(BF16), **ONE_BF16_STEP)
         else:
             assert t.grad is None
 
@@ -146,7 +151,7 @@ def test_backward_under_dispatch_mode(standin):
     with FlopCounterMode(display=False):
         flash_cute.flash_attn_func(q, k, v).backward(dout)
     for got, want in zip((q.grad, k.grad, v.grad), ref_grads(q, k, v, dout)):
-        torch.testing.assert_close(got, want.to(BF16), atol=0, rtol=0)
+        torch.testing.assert_close(got, want.to(BF16), **ONE_BF16_STEP)
 
 
 # What torch.library.opcheck runs: schema (no mutation or aliasing the schema does not declare),
