@@ -34,6 +34,7 @@ import threading
 import torch
 
 from .config import BWD_SUPPORTED_HEAD_DIMS, BwdSm90Config
+from .dispatch import compile_kernel
 
 DEFAULT_ARCH = "sm_90a"
 ENV_FLAG = "FLASH_CUTE_FUSED_BWD"
@@ -94,22 +95,6 @@ def _fake_padded_rows(batch, heads, sq_pad, d=None):
                                                  assumed_align=16)
 
 
-def _compile(fn, args, keep_cubin):
-    """keep_cubin: False (TVM-FFI entry point), True or "cubin" (keep the cubin), "ptx"."""
-    import cutlass.cute as cute
-
-    if keep_cubin:  # same device code; the plain host wrapper is the one that keeps the cubin
-        keep = cute.KeepPTX() if keep_cubin == "ptx" else cute.KeepCUBIN()
-        return cute.compile[keep](fn, *args, cute.runtime.make_fake_stream())
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError as e:
-        raise ImportError("flash_cute launches its kernels through TVM-FFI: "
-                          "pip install 'apache-tvm-ffi>=0.1.15,<0.2'") from e
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(fn, *args, stream, options="--enable-tvm-ffi")
-
-
 def _compile_pre(arch, dtype_name, d, keep_cubin=False):
     import cutlass
     import cutlass.cute as cute
@@ -126,7 +111,7 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False):
     args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
             _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
             _fake_padded_rows(b, h, sq_pad, d))
-    return _compile(FlashBwdPreSm90(dt, d), args, keep_cubin)
+    return compile_kernel(FlashBwdPreSm90(dt, d), args, keep_cubin)
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False):
@@ -147,7 +132,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False):
             _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad, d),
             _fake_qkv(dkv_dt, d, b, sk, dkv_heads), _fake_qkv(dkv_dt, d, b, sk, dkv_heads),
             cutlass.Float32(1.0), cutlass.Float32(1.0))
-    return _compile(FlashBwdSm90(dt, cfg, causal, dkv_dt), args, keep_cubin)
+    return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt), args, keep_cubin)
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False):
@@ -163,7 +148,7 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False):
         cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int(), d), acc_stride,
         assumed_align=16)
     out = _fake_qkv(dt, d, cute.sym_int(), cute.sym_int(), cute.sym_int())
-    return _compile(FlashBwdPostSm90(dt, d), (acc, out, cutlass.Float32(1.0)), keep_cubin)
+    return compile_kernel(FlashBwdPostSm90(dt, d), (acc, out, cutlass.Float32(1.0)), keep_cubin)
 
 
 def _get(key, build):

@@ -70,7 +70,6 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: b
     launches on torch's current stream, with the argument checks done in C++ (the generic
     Python argument path of the DSL cost ~200 us per call, more than a short kernel)."""
     import cutlass
-    import cutlass.cute as cute
 
     from .kernels.sm90.fwd import FlashFwdSm90
 
@@ -78,15 +77,28 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: b
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), FwdSm90Config.for_head_dim(d), causal)
     args = (*_fake_args(dtype_name, d), cutlass.Float32(1.0), cutlass.Int32(1))
-    if keep_cubin:  # same device code; the plain host wrapper is the one that keeps the cubin
-        return cute.compile[cute.KeepCUBIN()](kernel, *args, cute.runtime.make_fake_stream())
+    return compile_kernel(kernel, args, keep_cubin)
+
+
+def compile_kernel(fn, args, keep=False):
+    """Compile a ``@cute.jit`` entry point (its stream argument appended here).
+
+    keep: False gives the TVM-FFI entry point used at run time (torch tensors in, torch's
+    current stream); True/"cubin" or "ptx" compile the same device code behind the plain host
+    wrapper, which is the one that keeps the cubin or PTX for inspection.
+    """
+    import cutlass.cute as cute
+
+    if keep:
+        artifact = cute.KeepPTX() if keep == "ptx" else cute.KeepCUBIN()
+        return cute.compile[artifact](fn, *args, cute.runtime.make_fake_stream())
     try:
         import tvm_ffi  # noqa: F401
     except ImportError as e:
         raise ImportError("flash_cute launches its kernels through TVM-FFI: "
                           "pip install 'apache-tvm-ffi>=0.1.15,<0.2'") from e
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, *args, stream, options="--enable-tvm-ffi")
+    return cute.compile(fn, *args, stream, options="--enable-tvm-ffi")
 
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool):
