@@ -20,12 +20,11 @@ from flash_cute.kernels.sm90.fwd import FlashFwdSm90
 from flash_cute.reference import attention_ref, check_close
 
 VARIANTS = {
-    "sec_auto": {},
-    "sec_1": {"section": 1},
-    "sec_all": {"section": "all"},
+    "2wg_128x128": {},
+    "3wg_192x64": {"num_consumer_wg": 3, "tile_n": 64},
 }
-SHAPES = [(128, 1024, True), (128, 2048, True), (256, 1024, True), (256, 2048, True),
-          (128, 1024, False), (128, 8192, True)]
+SHAPES = [(64, 1024, False), (64, 4096, False), (64, 16384, False), (64, 4096, True),
+          (64, 16384, True)]
 ROUNDS = 5
 
 

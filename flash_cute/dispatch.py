@@ -9,6 +9,7 @@ head counts and strides are runtime values: a training loop with varying lengths
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -65,7 +66,8 @@ def _fake_args(dtype_name: str, d: int):
     return qkv(b, sq, h), qkv(b, sk, hk), qkv(b, sk, hk), qkv(b, sq, h), lse
 
 
-def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: bool = False):
+def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: bool = False,
+                 **cfg_overrides):
     """Compile one forward variant as a TVM-FFI function: it takes torch tensors directly and
     launches on torch's current stream, with the argument checks done in C++ (the generic
     Python argument path of the DSL cost ~200 us per call, more than a short kernel)."""
@@ -75,7 +77,8 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: b
 
     if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
-    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), FwdSm90Config.for_head_dim(d), causal)
+    cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
+    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal)
     args = (*_fake_args(dtype_name, d), cutlass.Float32(1.0), cutlass.Int32(1))
     return compile_kernel(kernel, args, keep_cubin)
 
@@ -164,7 +167,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     return out, lse
 
 
-def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool) -> bytes:
+def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool, **cfg_overrides) -> bytes:
     """The cubin of one forward variant, for SASS checks. The DSL also writes a copy into the
     working directory (the directory it saw at its first such compile must still exist)."""
-    return _compile_fwd(arch, dtype_name, d, causal, keep_cubin=True).__cubin__
+    return _compile_fwd(arch, dtype_name, d, causal, keep_cubin=True, **cfg_overrides).__cubin__

@@ -14,11 +14,16 @@ def _arch():
     require_arch()
 
 
-@pytest.mark.parametrize("dtype,d,causal", dispatch.fwd_variants(),
+# Configurations kept compiling (and spill-free) for experiments, beside the shipped variants.
+EXPERIMENTS = [("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,d,causal,cfg",
+                         [(*v, {}) for v in dispatch.fwd_variants()] + EXPERIMENTS,
                          ids=lambda v: str(v))
-def test_fwd_variant_compiles(dtype, d, causal, tmp_path, monkeypatch):
+def test_fwd_variant_compiles(dtype, d, causal, cfg, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # KeepCUBIN drops a file into the cwd
-    ops = sass_opcodes(dispatch.fwd_cubin(ARCH, dtype, d, causal), tmp_path)
+    ops = sass_opcodes(dispatch.fwd_cubin(ARCH, dtype, d, causal, **cfg), tmp_path)
     assert ops.get("HGMMA", 0) > 0, "no HGMMA: the kernel is off the wgmma path"
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
     assert ops.get("UTMALDG", 0) > 0, "no TMA loads"

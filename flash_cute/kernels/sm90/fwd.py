@@ -1,26 +1,26 @@
 """SM90 (Hopper) attention forward: TMA + wgmma, warp-specialized, online exp2 softmax.
 
-Warp roles (3 warpgroups, 384 threads):
+Warp roles (1 + n warpgroups; n = 2 by default, 3 possible with 64-key blocks):
 
-    WG0  load      warp 0 issues TMA: Q once per tile, then K and V blocks, last block first.
-                   setmaxnreg 24 (warps 1-3 idle).
-    WG1  consumer  query rows   0..63 of the tile  } S = Q K^T (wgmma, smem x smem)
-    WG2  consumer  query rows 64..127 of the tile  } softmax in registers (exp2, quad shuffles)
-                                                   } O += P V (wgmma, P from registers)
-                                                   } epilogue: O / rowsum -> smem -> TMA store,
-                                                     LSE (natural log) -> global
-                   setmaxnreg 240.
+    WG0      load      warp 0 issues TMA: Q once per tile, then K and V blocks, last block
+                       first. setmaxnreg 24 (n=2) / 32 (n=3); warps 1-3 idle.
+    WG1..WGn consumer  64 query rows each       } S = Q K^T (wgmma, smem x smem)
+                                                } softmax in registers (exp2, quad shuffles)
+                                                } O += P V (wgmma, P from registers)
+                                                } epilogue: O / rowsum -> smem -> TMA store,
+                                                  LSE (natural log) -> global
+                       setmaxnreg 240 (n=2) / 160 (n=3).
 
 Pipelines (cutlass.pipeline.PipelineTmaAsync: full barrier = 1 producer arrive + TMA bytes,
 empty barrier = one arrive per consumer warp):
 
-    pipe_q  load -> 8 consumer warps, 1 stage
-    pipe_k  load -> 8 consumer warps, kv_stages
-    pipe_v  load -> 8 consumer warps, kv_stages   (separate from K so QK^T starts before V lands)
+    pipe_q  load -> 4n consumer warps, 1 stage
+    pipe_k  load -> 4n consumer warps, kv_stages
+    pipe_v  load -> 4n consumer warps, kv_stages  (separate from K so QK^T starts before V lands)
 
-Named barriers: TURN_WG1/TURN_WG2 (256 threads) order the two warpgroups' GEMM issue
-(ping-pong: one warpgroup's softmax runs under the other's GEMMs); EPILOGUE (256 + 32) makes
-sO visible before warp 4 issues the TMA store.
+Named barriers: EPILOGUE (128n + 32) makes sO visible before warp 4 issues the TMA store;
+TURN_WG1/TURN_WG2 (256, n = 2 only, off by default) order the two warpgroups' GEMM issue
+(ping-pong: one warpgroup's softmax runs under the other's GEMMs).
 
 Per key block (intra-warpgroup overlap): issue S_next = Q K_next^T, then O += P_prev V_prev; wait
 for S_next; mask and softmax it while P V runs; rescale O. Masks only on the first block visited
@@ -49,9 +49,9 @@ from ..common.softmax import OnlineSoftmax, rescale_rows
 from .wgmma import gemm, make_smem_layout
 
 WG_THREADS = 128
-NUM_CONSUMER_WG = 2
-LOAD_REGS = 24       # the load warp only issues TMA; give its registers to the consumers
-CONSUMER_REGS = 240  # 24*128 + 240*256 <= 64K registers per SM
+# setmaxnreg split (load warpgroup, each consumer warpgroup) by consumer count: the load warp
+# only issues TMA, so its registers go to the consumers; 128*load + 128*n*consumer <= 64K.
+REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 
 
@@ -68,9 +68,11 @@ class FlashFwdSm90:
         self.cfg = cfg
         self.causal = causal
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
-        if self.tile_m != 64 * NUM_CONSUMER_WG:
-            raise ValueError(f"tile_m must be {64 * NUM_CONSUMER_WG}, got {self.tile_m}")
-        self.num_threads = WG_THREADS * (1 + NUM_CONSUMER_WG)
+        self.num_wg = cfg.num_consumer_wg
+        if self.num_wg not in REGISTER_SPLIT:
+            raise ValueError(f"num_consumer_wg must be one of {sorted(REGISTER_SPLIT)}, "
+                             f"got {self.num_wg}")
+        self.num_threads = WG_THREADS * (1 + self.num_wg)
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
@@ -86,10 +88,10 @@ class FlashFwdSm90:
 
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, tn))
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tn))
         mma_pv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(NUM_CONSUMER_WG, 1, 1), tiler_mn=(64, d),
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d),
             a_source=warpgroup.OperandSource.RMEM)
 
         sQ_layout = make_smem_layout(dt, (tm, d))
@@ -138,7 +140,7 @@ class FlashFwdSm90:
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WG * 4)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
             consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
@@ -162,13 +164,13 @@ class FlashFwdSm90:
                                        self.causal)
 
         if warp_idx // 4 == 0:
-            cute.arch.setmaxregister_decrease(LOAD_REGS)
+            cute.arch.setmaxregister_decrease(REGISTER_SPLIT[self.num_wg][0])
             if warp_idx == 0:
                 head_kv = head // (mQ.shape[2] // mK.shape[2])
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
                           m_block, head, head_kv, batch, n_max)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
             self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k, pipe_v,
                          scale_log2, m_block, head, batch, n_max, seqlen_q, seqlen_k)
 
@@ -340,7 +342,7 @@ class FlashFwdSm90:
 
         # Make the stmatrix writes visible to the TMA (async proxy), then one warp stores.
         cute.arch.fence_proxy("async.shared", space="cta")
-        store_threads = NUM_CONSUMER_WG * WG_THREADS + 32
+        store_threads = self.num_wg * WG_THREADS + 32
         cute.arch.barrier_arrive(barrier_id=int(Barrier.EPILOGUE), number_of_threads=store_threads)
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=store_threads)
