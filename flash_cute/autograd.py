@@ -17,7 +17,7 @@ rounding, but is unfused: it materialises the (sq, sk) score matrix, O(s^2) memo
 """
 import torch
 
-from flash_cute import dispatch
+from flash_cute import backward, dispatch
 from flash_cute.reference import attention_ref
 
 
@@ -86,8 +86,12 @@ def _fwd_fake(q, k, v, softmax_scale, causal):
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
            " float softmax_scale, bool causal) -> (Tensor dq, Tensor dk, Tensor dv)")
 def _bwd(dout, q, k, v, out, lse, softmax_scale, causal):
-    # out and lse are in the schema for the fused backward; the interim one recomputes them.
-    # Any dout layout works here: it is copied to fp32 first. The schema returns all three.
+    # The fused kernels are opt-in (FLASH_CUTE_FUSED_BWD=1) until they have run on a GPU; the
+    # interim one recomputes out and lse and takes any dout layout (it copies to fp32).
+    if (backward.fused_bwd_enabled() and q.is_cuda
+            and backward.unsupported_bwd_option(head_dim=q.shape[-1]) is None):
+        return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                            causal=causal)
     return _interim_bwd(dout, q, k, v, softmax_scale, causal)
 
 

@@ -12,10 +12,11 @@ not yet run on a GPU. Check them with ``python bench/check_bwd.py`` on an H200 f
     3. bwd_post  dq = softmax_scale * dQaccum; GQA: dk, dv = sum over the query heads of a
                  KV head of the per-query-head fp32 dK, dV     kernels/sm90/bwd_post.py
 
-Not wired into autograd yet. ``flash_cute.autograd`` keeps the interim (fp32 recompute)
-backward; the plan is that it calls ``flash_cute.backward.bwd`` when the environment variable
-``FLASH_CUTE_FUSED_BWD=1`` is set (``fused_bwd_enabled()`` reads it) and the call is supported
-(``unsupported_bwd_option`` returns None), until the kernel is validated and becomes default.
+Opt-in: ``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` only when the environment
+variable ``FLASH_CUTE_FUSED_BWD=1`` is set (``fused_bwd_enabled()``), the tensors are on CUDA
+and ``unsupported_bwd_option`` returns None; otherwise it runs the interim fp32 recompute.
+The default flips once the kernels pass on the H200 (e.g. ``FLASH_CUTE_FUSED_BWD=1 python -m
+pytest -m gpu`` and ``bench/check_bwd.py``).
 
 Compilation follows ``flash_cute.dispatch``: fake tensors with symbolic sizes and strides, so the
 cache key holds only code-changing values (arch, dtype, head dim, causal, GQA) and never a
@@ -44,7 +45,7 @@ _cache_lock = threading.Lock()
 
 
 def fused_bwd_enabled() -> bool:
-    """True when FLASH_CUTE_FUSED_BWD=1: autograd should use this backward (once wired)."""
+    """True when FLASH_CUTE_FUSED_BWD=1: flash_cute::bwd then runs these kernels (d 64/96/128)."""
     return os.environ.get(ENV_FLAG, "0") == "1"
 
 
