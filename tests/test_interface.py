@@ -221,3 +221,17 @@ def test_public_api():
     assert set(flash_cute.__all__) == {"flash_attn_func", "flash_attn_varlen_func",
                                        "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
                                        "__version__"}
+
+
+def test_fused_backward_flag_falls_back_off_gpu(standin, monkeypatch):
+    # FLASH_CUTE_FUSED_BWD=1 selects the fused kernels only for CUDA tensors of a supported
+    # head dim; anything else keeps the interim backward.
+    monkeypatch.setenv("FLASH_CUTE_FUSED_BWD", "1")
+    called = []
+    monkeypatch.setattr("flash_cute.backward.bwd", lambda *a, **kw: called.append(1))
+    q, k, v = rand(1, 5, 2, 64), rand(1, 5, 2, 64, seed=1), rand(1, 5, 2, 64, seed=2)
+    dout = rand(1, 5, 2, 64, seed=3, grad=False)
+    flash_cute.flash_attn_func(q, k, v).backward(dout)
+    assert not called
+    for got, want in zip((q.grad, k.grad, v.grad), ref_grads(q, k, v, dout)):
+        torch.testing.assert_close(got, want.to(BF16), **ONE_BF16_STEP)
