@@ -89,6 +89,7 @@ def _bwd(dout, q, k, v, out, lse, softmax_scale, causal):
     # The fused kernels are opt-in (FLASH_CUTE_FUSED_BWD=1) until they have run on a GPU; the
     # interim one recomputes out and lse and takes any dout layout (it copies to fp32).
     if (backward.fused_bwd_enabled() and q.is_cuda
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
             and backward.unsupported_bwd_option(head_dim=q.shape[-1]) is None):
         return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                             causal=causal)

@@ -193,9 +193,10 @@ def bwd_ptx(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool 
 
 # -------------------------------------------------------------------------------- launch
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """Last dim contiguous and the other strides 16-byte multiples, else a contiguous copy."""
+    """Last dim contiguous and the other strides positive 16-byte multiples, else a contiguous
+    copy. Positive: autograd hands out expanded (stride-0) gradients, e.g. of out.mean(1)."""
     align = 16 // t.element_size()
-    if t.stride(-1) == 1 and all(s % align == 0 for s in t.stride()[:-1]) \
+    if t.stride(-1) == 1 and all(s > 0 and s % align == 0 for s in t.stride()[:-1]) \
             and t.data_ptr() % 16 == 0:
         return t
     return t.contiguous()
@@ -217,7 +218,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if d not in BWD_SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"flash_cute fused backward: head_dim={d} is not supported "
                                   f"(supported: {BWD_SUPPORTED_HEAD_DIMS})")
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous whatever the inputs' strides: the layout flash_cute::bwd's fake promises.
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or sk == 0:   # no queries or no keys: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dk.numel() == 0:
