@@ -20,11 +20,12 @@ from flash_cute.kernels.sm90.fwd import FlashFwdSm90
 from flash_cute.reference import attention_ref, check_close
 
 VARIANTS = {
-    "2wg_128x128": {},
-    "3wg_192x64": {"num_consumer_wg": 3, "tile_n": 64},
+    "base": {},
+    "packed_p": {"packed_p_cvt": True},
+    "3wg_192x128_packed": {"num_consumer_wg": 3, "packed_p_cvt": True},  # d=64 only
 }
-SHAPES = [(64, 1024, False), (64, 4096, False), (64, 16384, False), (64, 4096, True),
-          (64, 16384, True)]
+SHAPES = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True),
+          (256, 4096, False), (256, 16384, True)]
 ROUNDS = 5
 
 
@@ -52,6 +53,8 @@ for d, s, causal in SHAPES:
     flops = 4 * b * s * s * h * d / (2 if causal else 1)
     fns = {}
     for name, kw in VARIANTS.items():
+        if "num_consumer_wg" in kw and d != 64:
+            continue
         kw = dict(kw)
         section = kw.pop("section", None)
         comp = compile_variant(d, causal, **kw)

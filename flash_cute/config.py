@@ -17,6 +17,11 @@ class FwdSm90Config:
     # with variants timed interleaved, and it pushed bf16 d=96 causal into spills.
     pingpong: bool = False
     longest_first: bool = True      # causal: launch the tiles with the most key blocks first
+    # Convert P with pinned packed cvt instructions. Left free, the compiler sinks the plain
+    # conversion into the next iteration (S stays live in fp32): 192 x 128 tiles at d=64 spill
+    # without it and compile clean with it; at d=256 its C7519 warnings go away. Off until
+    # timed on the H200 (docs/sass_vs_fa4.md, docs/performance.md).
+    packed_p_cvt: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg != 2:

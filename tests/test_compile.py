@@ -15,7 +15,11 @@ def _arch():
 
 
 # Configurations kept compiling (and spill-free) for experiments, beside the shipped variants.
-EXPERIMENTS = [("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c in (False, True)]
+EXPERIMENTS = ([("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c in (False, True)]
+               + [("BFloat16", 64, c, {"num_consumer_wg": 3, "packed_p_cvt": True})
+                  for c in (False, True)]
+               + [(dt, d, True, {"packed_p_cvt": True}) for dt in ("BFloat16", "Float16")
+                  for d in (128, 256)])
 
 
 @pytest.mark.parametrize("dtype,d,causal,cfg",

@@ -5,7 +5,11 @@ An SM90 wgmma accumulator fragment of a (64, N) tile has, per thread, the layout
 Softmax wants rows and columns as two modes; the P @ V wgmma wants the same registers as its
 register-sourced A operand ((2, 2, 2), MMA_M, MMA_K). Both are re-views, no data moves.
 """
+import cutlass
 import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def _col_major(layout: cute.Layout) -> cute.Layout:
@@ -54,3 +58,32 @@ def transpose_mn(t: cute.Tensor) -> cute.Tensor:
 def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
     """A view of ``t`` with its modes reordered (e.g. (b, s, h, d) -> (s, d, h, b))."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+@dsl_user_op
+def cvt_pair(lo: Float32, hi: Float32, to_dtype, *, loc=None, ip=None) -> Int32:
+    """Two fp32 -> one register of two 16-bit values (lo in the low half), in one packed cvt.
+
+    Marked as having side effects so the compiler keeps it where it is written: left free, it
+    sank the conversion of P into the next iteration, keeping S (fp32) live instead of P.
+    """
+    kind = "bf16x2" if to_dtype is cutlass.BFloat16 else "f16x2"
+    # PTX packs its first source into the high half.
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $2, $1;", "=r,f,f", has_side_effects=True,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def store_packed(dst: cute.Tensor, src: cute.Tensor):
+    """dst (16-bit, compact) = src (fp32, same shape), two values per packed conversion.
+
+    dst must be compact (register fragments are): word i of its Int32 view then holds elements
+    2i (low half) and 2i+1, which is how the fp32 twin ``flat`` is read.
+    """
+    flat = cute.make_rmem_tensor_like(dst, Float32)
+    flat.store(src.load())
+    words = cute.recast_tensor(dst, Int32)
+    for i in cutlass.range_constexpr(cute.size(words)):
+        words[i] = cvt_pair(flat[2 * i], flat[2 * i + 1], dst.element_type)

@@ -43,7 +43,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...config import FwdSm90Config
 from ..common import block_info, scheduler
-from ..common.layout import acc_as_mn, acc_as_operand_a, select_modes, transpose_mn
+from ..common.layout import (acc_as_mn, acc_as_operand_a, select_modes, store_packed,
+                             transpose_mn)
 from ..common.mask import apply_mask
 from ..common.softmax import OnlineSoftmax, rescale_rows
 from .wgmma import gemm, make_smem_layout
@@ -251,7 +252,7 @@ class FlashFwdSm90:
         pipe_k.consumer_release(kv)
         mask(n_max - 1)
         softmax.step(tSrS, is_first=True)
-        tOrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+        self.convert_p(tOrP, tSrS)
         tOrO.fill(0.0)
 
         # Blocks crossing the causal diagonal, then blocks that need no mask.
@@ -301,9 +302,16 @@ class FlashFwdSm90:
         row_scale = softmax.step(tSrS, is_first=False)
         warpgroup.wait_group(0)  # P is about to be overwritten
         pipe_v.consumer_release(kv_prev)
-        tOrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+        self.convert_p(tOrP, tSrS)
         rescale_rows(tOrO, row_scale)
         return kv
+
+    def convert_p(self, tOrP, tSrS):
+        """P (fp32 scores after softmax) -> the 16-bit A operand of the P V wgmma."""
+        if const_expr(self.cfg.packed_p_cvt):
+            store_packed(tOrP, acc_as_operand_a(tSrS))
+        else:
+            tOrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
 
     def wait_turn(self, wg):
         if const_expr(self.cfg.pingpong):
