@@ -25,6 +25,7 @@ import traceback
 
 import torch
 
+from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from flash_cute import backward, dispatch
 from flash_cute.reference import attention_ref, check_close
 
@@ -105,21 +106,6 @@ def restart_from(i, args):
 
 
 # ------------------------------------------------------------------------------- timing
-def timeit(fn, reps=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
-
-
 def bench(d, s, causal):
     """Backward only (the forward is outside the timed region); 16k tokens, h*d = 2048."""
     b, h = 16384 // s, 2048 // d

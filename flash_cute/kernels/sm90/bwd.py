@@ -84,6 +84,7 @@ from ...config import BwdSm90Config
 from ..common import block_info
 from ..common.layout import acc_as_mn, acc_as_operand_a, select_modes, transpose_mn
 from ..common.mask import apply_mask_key_major
+from .pipelines import make_tma_pipelines
 from .wgmma import gemm, make_smem_layout
 
 WG_THREADS = 128
@@ -209,17 +210,10 @@ class FlashBwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_MMA_WG * 4)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True)
-        pipe_q, pipe_do = [pipeline.PipelineTmaAsync.create(
-            barrier_storage=mbar.data_ptr(), num_stages=self.cfg.stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.q_stage_bytes,
-            defer_sync=True) for mbar in (storage.mbar_q, storage.mbar_do)]
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        pipe_kv, pipe_q, pipe_do = make_tma_pipelines(
+            [(storage.mbar_kv, 1, self.kv_bytes),
+             (storage.mbar_q, self.cfg.stages, self.q_stage_bytes),
+             (storage.mbar_do, self.cfg.stages, self.q_stage_bytes)], NUM_MMA_WG * 4)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)

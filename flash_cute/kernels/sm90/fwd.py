@@ -47,6 +47,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, select_modes, store_pa
                              transpose_mn)
 from ..common.mask import apply_mask
 from ..common.softmax import OnlineSoftmax, rescale_rows
+from .pipelines import make_tma_pipelines
 from .wgmma import gemm, make_smem_layout
 
 WG_THREADS = 128
@@ -140,17 +141,9 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_wg * 4)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True)
-        pipe_k, pipe_v = [pipeline.PipelineTmaAsync.create(
-            barrier_storage=mbar.data_ptr(), num_stages=self.cfg.kv_stages,
-            producer_group=producer, consumer_group=consumers, tx_count=self.kv_bytes,
-            defer_sync=True) for mbar in (storage.mbar_k, storage.mbar_v)]
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        pipe_q, pipe_k, pipe_v = make_tma_pipelines(
+            [(storage.mbar_q, 1, self.q_bytes), (storage.mbar_k, self.cfg.kv_stages, self.kv_bytes),
+             (storage.mbar_v, self.cfg.kv_stages, self.kv_bytes)], self.num_wg * 4)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
