@@ -84,7 +84,7 @@ from ...config import BwdSm90Config
 from ..common import block_info
 from ..common.layout import acc_as_mn, acc_as_operand_a, select_modes, transpose_mn
 from ..common.mask import apply_mask_key_major
-from .pipelines import make_tma_pipelines
+from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
 WG_THREADS = 128
@@ -260,19 +260,12 @@ class FlashBwdSm90:
         gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, d), (n_block, 0))
         gLSE = cute.local_tile(mLSE[None, head, batch], (tm,), (None,))
         gD = cute.local_tile(mD[None, head, batch], (tm,), (None,))
-        one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sdO, 0, 2),
-                                               cute.group_modes(gdO, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-        tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one, cute.group_modes(sLSE, 0, 1),
-                                           cute.group_modes(gLSE, 0, 1))
-        tDsD, tDgD = cpasync.tma_partition(tma_d, 0, one, cute.group_modes(sD, 0, 1),
-                                           cute.group_modes(gD, 0, 1))
+        tQsQ, tQgQ = tma_split(tma_q, sQ, gQ)
+        tdOsdO, tdOgdO = tma_split(tma_do, sdO, gdO)
+        tKsK, tKgK = tma_split(tma_k, sK, gK)
+        tVsV, tVgV = tma_split(tma_v, sV, gV)
+        tLsL, tLgL = tma_split(tma_lse, sLSE, gLSE, rank=1)
+        tDsD, tDgD = tma_split(tma_d, sD, gD, rank=1)
 
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv)

@@ -47,7 +47,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, select_modes, store_pa
                              transpose_mn)
 from ..common.mask import apply_mask
 from ..common.softmax import OnlineSoftmax, rescale_rows
-from .pipelines import make_tma_pipelines
+from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
 WG_THREADS = 128
@@ -177,13 +177,9 @@ class FlashFwdSm90:
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
-        no_cluster = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, no_cluster, cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, no_cluster, cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, no_cluster, cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tQsQ, tQgQ = tma_split(tma_q, sQ, gQ)
+        tKsK, tKgK = tma_split(tma_k, sK, gK)
+        tVsV, tVgV = tma_split(tma_v, sV, gV)
 
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.kv_stages)
         q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -348,9 +344,7 @@ class FlashFwdSm90:
         if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=store_threads)
             gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
+            tOsO, tOgO = tma_split(tma_o, sO, gO)
             cute.copy(tma_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

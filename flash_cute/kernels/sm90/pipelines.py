@@ -1,6 +1,7 @@
 """The TMA -> warpgroup pipelines every SM90 kernel here builds the same way."""
 import cutlass.cute as cute
 from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync
 
 
 def make_tma_pipelines(specs, num_consumer_warps: int):
@@ -19,3 +20,10 @@ def make_tma_pipelines(specs, num_consumer_warps: int):
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
     return pipes
+
+
+def tma_split(atom, s_tile, g_tiles, rank: int = 2):
+    """(smem, gmem) views of a TMA copy without a cluster: the first ``rank`` modes of both
+    tensors form one TMA box; any further mode (stage, block index) stays indexable."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, rank),
+                                 cute.group_modes(g_tiles, 0, rank))
