@@ -23,11 +23,12 @@ cache key holds only code-changing values (arch, dtype, head dim, causal, GQA) a
 length, batch or head count; TVM-FFI entry points take torch tensors and launch on torch's
 current stream.
 
-Memory: dQaccum fp32 (b, h, sq_pad, d) and D, LSE_log2 fp32 (b, h, sq_pad) with sq_pad = sq
+Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with sq_pad = sq
 rounded up to 64; with GQA also fp32 dK, dV per query head (b, sk, h, d).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -85,15 +86,25 @@ def _fake_qkv(dt, d, batch, seqlen, heads):
     return cute.runtime.make_fake_tensor(dt, (batch, seqlen, heads, d), stride, assumed_align=16)
 
 
-def _fake_padded_rows(batch, heads, sq_pad, d=None):
-    """Contiguous fp32 (b, h, sq_pad[, d]): whole query tiles, 16-byte aligned tile starts."""
+def _fake_padded_rows(batch, heads, sq_pad):
+    """Contiguous fp32 (b, h, sq_pad): whole query tiles, 16-byte aligned tile starts."""
     import cutlass
     import cutlass.cute as cute
 
-    shape = (batch, heads, sq_pad) if d is None else (batch, heads, sq_pad, d)
-    order = tuple(range(len(shape) - 1, -1, -1))
-    return cute.runtime.make_fake_compact_tensor(cutlass.Float32, shape, stride_order=order,
-                                                 assumed_align=16)
+    return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (batch, heads, sq_pad),
+                                                 stride_order=(2, 1, 0), assumed_align=16)
+
+
+def _fake_dq_accum(batch, heads, sq_pad, cfg):
+    """fp32 (b, h, sq_pad, d) view of a (b, h, sq_pad, cfg.dq_row) buffer (padded rows)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    row_tile = cfg.tile_m * cfg.dq_row
+    stride = (cute.sym_int64(divisibility=row_tile), cute.sym_int64(divisibility=row_tile),
+              cfg.dq_row, 1)
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (batch, heads, sq_pad, cfg.head_dim),
+                                         stride, assumed_align=16)
 
 
 def _compile_pre(arch, dtype_name, d, keep_cubin=False):
@@ -104,18 +115,18 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False):
 
     _check_arch(arch)
     dt = getattr(cutlass, dtype_name)
-    tile_m = BwdSm90Config.for_head_dim(d).tile_m
+    cfg = BwdSm90Config.for_head_dim(d)
     b, sq, h = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    sq_pad = cute.sym_int(divisibility=tile_m)
+    sq_pad = cute.sym_int(divisibility=cfg.tile_m)
     lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
                                                 stride_order=(2, 1, 0), assumed_align=4)
     args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
             _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
-            _fake_padded_rows(b, h, sq_pad, d))
+            _fake_dq_accum(b, h, sq_pad, cfg))
     return compile_kernel(FlashBwdPreSm90(dt, d), args, keep_cubin)
 
 
-def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False):
+def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, **cfg_overrides):
     import cutlass
     import cutlass.cute as cute
 
@@ -123,14 +134,14 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False):
 
     _check_arch(arch)
     dt = getattr(cutlass, dtype_name)
-    cfg = BwdSm90Config.for_head_dim(d)
+    cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
     dkv_dt = cutlass.Float32 if gqa else dt
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
     sq_pad = cute.sym_int(divisibility=cfg.tile_m)
     dkv_heads = h if gqa else hk
     args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sk, hk), _fake_qkv(dt, d, b, sk, hk),
             _fake_qkv(dt, d, b, sq, h), _fake_padded_rows(b, h, sq_pad),
-            _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad, d),
+            _fake_padded_rows(b, h, sq_pad), _fake_dq_accum(b, h, sq_pad, cfg),
             _fake_qkv(dkv_dt, d, b, sk, dkv_heads), _fake_qkv(dkv_dt, d, b, sk, dkv_heads),
             cutlass.Float32(1.0), cutlass.Float32(1.0))
     return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt), args, keep_cubin)
@@ -239,7 +250,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     f32 = dict(dtype=torch.float32, device=q.device)
     lse_log2 = torch.empty((b, h, sq_pad), **f32)
     dpsum = torch.empty((b, h, sq_pad), **f32)
-    dq_accum = torch.empty((b, h, sq_pad, d), **f32)
+    dq_accum = torch.empty((b, h, sq_pad, cfg.dq_row), **f32)[..., :d]
     if gqa:
         dk_out = torch.empty((b, sk, h, d), **f32)
         dv_out = torch.empty((b, sk, h, d), **f32)

@@ -54,6 +54,9 @@ def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int
 
 
 BWD_SUPPORTED_HEAD_DIMS = (64, 96, 128)
+# fp32 padding per dQaccum row (global and shared): rows 8 banks apart make the MMA threads'
+# 8-byte stores of a dQ tile conflict-free, and rows stay 16-byte aligned for the bulk reduce.
+DQ_ROW_PAD = 8
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,12 @@ class BwdSm90Config:
     tile_n: int = 128          # keys per CTA: two MMA warpgroups x 64 (one wgmma M each)
     stages: int = 2            # Q/LSE and dO/D ring depth: load m+1 while m computes
     dq_chunk: int = 64         # dQ = dS K in column chunks: live dQ registers = 64*chunk/128
+    dq_bulk: bool = True       # dQ via smem + TMA bulk reduce-add (False: red.add per element)
+
+    @property
+    def dq_row(self) -> int:
+        """Row stride (fp32 elements) of dQaccum in global and shared memory."""
+        return self.head_dim + DQ_ROW_PAD
 
     @staticmethod
     def for_head_dim(d: int) -> "BwdSm90Config":

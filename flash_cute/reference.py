@@ -203,6 +203,17 @@ def check_close(out, ref_fp32, ref_lowp, *, name="out", atol=None, factor=2.0):
             f"max|ref_lowp - ref_fp32| ({base:.3e}) + atol ({atol:.3e})")
 
 
+def check_grads_close(grads, refs_fp32, refs_lowp, names=("dq", "dk", "dv")):
+    """``check_close`` for a set of gradients sharing one atol: eps(dtype) times the largest
+    oracle gradient of the set. A gradient the oracle gives as exactly zero (one key: softmax is
+    constant, so dq = 0) still carries the fp32 rounding of dP - D, which a per-tensor atol of 0
+    would reject; its natural scale is that of its sibling gradients."""
+    amax = max((r.detach().float().nan_to_num(0, 0, 0).abs().max().item()
+                for r in refs_fp32 if r.numel()), default=0.0)
+    for g, r, lo, name in zip(grads, refs_fp32, refs_lowp, names):
+        check_close(g, r, lo, name=name, atol=_default_atol(g.dtype, amax))
+
+
 def poison_(t):
     """Fill a floating-point tensor with NaN in place (others are left alone); returns it.
 

@@ -30,7 +30,7 @@ def test_bwd_main_compiles(dtype, d, causal, gqa, tmp_path, monkeypatch):
     assert ops.get("HGMMA", 0) > 0, "no HGMMA: the kernel is off the wgmma path"
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
     assert ops.get("UTMALDG", 0) > 0, "no TMA loads"
-    assert ops.get("REDG", 0) + ops.get("ATOMG", 0) > 0, "no dQ reduction into global memory"
+    assert ops.get("UBLKRED", 0) > 0, "no dQ bulk reduction into global memory"
     assert_wgmma_not_serialized(ops)
 
 

@@ -30,7 +30,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import flash_cute  # noqa: E402
 from flash_cute import dispatch, flash_attn_func, flash_attn_varlen_func, interface  # noqa: E402
-from flash_cute.reference import attention_ref, check_close  # noqa: E402
+from flash_cute.reference import attention_ref, check_close, check_grads_close  # noqa: E402
 
 # The self-check runs without the gpu mark, since conftest skips gpu tests on a CPU machine.
 pytestmark = [] if _ON_CPU else [pytest.mark.gpu]
@@ -134,11 +134,11 @@ def check_grads(q, k, v, wanted, *, causal=False, softmax_scale=None, seed=10):
     kw = dict(causal=causal, softmax_scale=softmax_scale)
     ref = oracle_grads(q, k, v, dout, wanted, upcast=True, **kw)
     low = oracle_grads(q, k, v, dout, wanted, upcast=False, **kw)
-    for i, g in zip(wanted, got):
-        name = "d" + "qkv"[i]
+    names = ["d" + "qkv"[i] for i in wanted]
+    for i, g, name in zip(wanted, got, names):
         assert g.shape == leaves[i].shape and g.dtype == leaves[i].dtype, name
         assert torch.isfinite(g).all(), f"{name} has non-finite values"
-        check_close(g, ref[i], low[i], name=name)
+    check_grads_close(got, [ref[i] for i in wanted], [low[i] for i in wanted], names)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,8 +304,8 @@ def test_grads_packed_qkv():
     q, k, v = qkv.detach().unbind(dim=2)
     ref = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=True, causal=True)
     low = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=False, causal=True)
-    for i in range(3):
-        check_close(g[:, :, i], ref[i], low[i], name="d" + "qkv"[i])
+    check_grads_close(g.unbind(dim=2), [ref[i] for i in range(3)],
+                      [low[i] for i in range(3)])
 
 
 # ---------------------------------------------------------------------------------------------

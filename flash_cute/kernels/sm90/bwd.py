@@ -80,11 +80,11 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ...config import BwdSm90Config
+from ...config import DQ_ROW_PAD, BwdSm90Config
 from ..common import block_info
 from ..common.layout import acc_as_mn, acc_as_operand_a, select_modes, transpose_mn
 from ..common.mask import apply_mask_key_major
-from .pipelines import make_tma_pipelines, tma_split
+from .pipelines import bulk_reduce_add_f32, make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
 WG_THREADS = 128
@@ -93,12 +93,16 @@ KEYS_PER_WG = 64     # one wgmma M per warpgroup
 LOAD_REGS = 24       # the load warp only issues TMA; give its registers to the mma warpgroups
 MMA_REGS = 240       # 24*128 + 240*256 <= 64K registers per SM
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
+DQ_WARP = 1          # warp of WG0 that issues the dQ bulk reductions
+DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 
 
 class Barrier(enum.IntEnum):
     SYNC_THREADS = 0  # reserved by __syncthreads
     DS_WG1 = 1        # DS_WG1 + i: warpgroup i's dS^T is in shared memory
     DS_WG2 = 2
+    DQ_FULL = 3       # mma warpgroups -> dQ warp: both sdQ tiles are written
+    DQ_EMPTY = 4      # dQ warp -> mma warpgroups: the bulk reduce has read sdQ
 
 
 class FlashBwdSm90:
@@ -152,6 +156,11 @@ class FlashBwdSm90:
         sV_layout = make_smem_layout(dt, (tn, d))
         sdS_layout = make_smem_layout(dt, (tn, tm))
         sLSE_layout = cute.make_layout((tm, stages))
+        # One fp32 dQ tile per mma warpgroup, rows padded like dQaccum's (a bulk copy is 1-D).
+        dq_row = self.cfg.dq_row
+        sdQ_layout = cute.make_layout((tm, d, NUM_MMA_WG), stride=(dq_row, 1, tm * dq_row))
+        if const_expr(not self.cfg.dq_bulk):
+            sdQ_layout = cute.make_layout(4)  # unused
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
@@ -183,13 +192,14 @@ class FlashBwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)],
                                    SMEM_ALIGN]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
 
         self.shared_storage = SharedStorage
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mD, mdQaccum, mdK, mdV,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
-                    mma_sdp, mma_dkv, mma_dq).launch(
+                    sdQ_layout, mma_sdp, mma_dkv, mma_dq).launch(
             grid=[num_n_blocks, mQ.shape[2], mQ.shape[3]],
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -203,7 +213,8 @@ class FlashBwdSm90:
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
-               mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma):
+               sdQ_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
+               mma_dq: cute.TiledMma):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
@@ -222,6 +233,7 @@ class FlashBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sLSE_layout)
         sD = storage.sD.get_tensor(sLSE_layout)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
         n_block, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
@@ -238,10 +250,13 @@ class FlashBwdSm90:
                 self.load(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q, tma_k,
                           tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do, n_block,
                           head, head_kv, batch, m_begin, m_end)
+            if const_expr(self.cfg.dq_bulk):
+                if warp_idx == DQ_WARP:
+                    self.dq_reduce(mdQaccum, sdQ, head, batch, m_begin, m_end)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self.mma(mma_sdp, mma_dkv, mma_dq, mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE,
-                     sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, n_block, head, batch,
+                     sD, sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, n_block, head, batch,
                      m_begin, m_end, seqlen_q, seqlen_k)
 
     @cute.jit
@@ -287,8 +302,8 @@ class FlashBwdSm90:
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
             mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor,
             sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
-            sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv, pipe_q, pipe_do, scale_log2: Float32,
-            dk_scale: Float32, n_block: Int32, head: Int32, batch: Int32, m_begin: Int32,
+            sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv, pipe_q, pipe_do,
+            scale_log2: Float32, dk_scale: Float32, n_block: Int32, head: Int32, batch: Int32, m_begin: Int32,
             m_end: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """MMA warpgroups: the loop over query blocks, then the dK / dV epilogue."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
@@ -322,6 +337,7 @@ class FlashBwdSm90:
             for c in range(d // chunk)]
         tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, chunk)))
+        sdQ_wg = sdQ[None, None, wg] if const_expr(self.cfg.dq_bulk) else sdQ
 
         # dS^T registers -> sdS (this warpgroup's 64 rows) with stmatrix.
         store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
@@ -341,7 +357,8 @@ class FlashBwdSm90:
         m_mask_end = cutlass.max(m_begin, block_info.m_block_mask_end(
             n_block, tm, tn, seqlen_q, seqlen_k, self.causal))
         frags = (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO,
-                 tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQcdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
+                 tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQcdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS,
+                 thr_dq, sdQ_wg)
         for m_block in cutlass.range(m_begin, cutlass.min(m_mask_end, m_end), unroll=1):
             st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sLSE, sD,
                              mdQaccum, pipe_q, pipe_do, scale_log2, wg, n_block, head, batch,
@@ -361,7 +378,8 @@ class FlashBwdSm90:
                batch: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring)."""
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
-         tdQrdS, tdQrK, tdQrdQ, tdQcdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
+         tdQrdS, tdQrK, tdQrdQ, tdQcdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS, thr_dq,
+         sdQ_wg) = frags
         tm, tn = self.tile_m, self.tile_n
         s = st.index
         pipe_q.consumer_wait(st)
@@ -404,17 +422,57 @@ class FlashBwdSm90:
         gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
              wait_group=-1)
 
-        gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (tm, self.d), (m_block, 0))
-        for c in cutlass.range_constexpr(len(tdQrK)):
-            gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[c], zero_init=True, wait_group=0)
-            gdQ_c = cute.local_tile(gdQ, (tm, self.cfg.dq_chunk), (0, c))
-            for i in cutlass.range_constexpr(cute.size(tdQrdQ)):
-                cute.arch.atomic_add(
-                    gdQ_c.iterator + cute.crd2idx(tdQcdQ[i], gdQ_c.layout), tdQrdQ[i])
+        chunk = self.cfg.dq_chunk
+        if const_expr(self.cfg.dq_bulk):
+            # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+            for c in cutlass.range_constexpr(len(tdQrK)):
+                gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[c], zero_init=True, wait_group=0)
+                sdQ_c = cute.local_tile(sdQ_wg, (tm, chunk), (0, c))
+                cute.autovec_copy(tdQrdQ, thr_dq.partition_C(sdQ_c))
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL),
+                                     number_of_threads=DQ_THREADS)
+        else:
+            gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (tm, self.d), (m_block, 0))
+            for c in cutlass.range_constexpr(len(tdQrK)):
+                gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[c], zero_init=True, wait_group=0)
+                gdQ_c = cute.local_tile(gdQ, (tm, chunk), (0, c))
+                for i in cutlass.range_constexpr(cute.size(tdQrdQ)):
+                    cute.arch.atomic_add(
+                        gdQ_c.iterator + cute.crd2idx(tdQcdQ[i], gdQ_c.layout), tdQrdQ[i])
         pipe_q.consumer_release(st)
         pipe_do.consumer_release(st)
         st.advance()
         return st
+
+    @cute.jit
+    def dq_reduce(self, mdQaccum: cute.Tensor, sdQ: cute.Tensor, head: Int32, batch: Int32,
+                  m_begin: Int32, m_end: Int32):
+        """dQ warp: per query block, add both warpgroups' sdQ tiles into the block's dQaccum
+        rows with TMA bulk reductions; sdQ is handed back once the reductions have read it."""
+        tm = self.tile_m
+        # A tile is tm padded rows; the last row's padding may lie past the allocation.
+        tile_bytes = (tm * self.cfg.dq_row - DQ_ROW_PAD) * 4
+        lane = cute.arch.lane_idx()
+        if m_begin < m_end:
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
+                                     number_of_threads=DQ_THREADS)
+        for m_block in cutlass.range(m_begin, m_end, unroll=1):
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
+            if lane == 0:
+                gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (tm, self.d),
+                                      (m_block, 0))
+                for w in cutlass.range_constexpr(NUM_MMA_WG):
+                    bulk_reduce_add_f32(gdQ.iterator, sdQ[None, None, w].iterator, tile_bytes)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+            if m_block + 1 < m_end:  # no arrive without a matching wait after the last block
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
+                                         number_of_threads=DQ_THREADS)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def epilogue(self, mma_dkv: cute.TiledMma, tdKrdK: cute.Tensor, tdVrdV: cute.Tensor,

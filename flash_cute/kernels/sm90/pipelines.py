@@ -1,6 +1,7 @@
 """The TMA -> warpgroup pipelines every SM90 kernel here builds the same way."""
 import cutlass.cute as cute
-from cutlass import pipeline
+from cutlass import Int32, pipeline
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 
 
@@ -27,3 +28,15 @@ def tma_split(atom, s_tile, g_tiles, rank: int = 2):
     tensors form one TMA box; any further mode (stage, block index) stays indexable."""
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, rank),
                                  cute.group_modes(g_tiles, 0, rank))
+
+
+@cute.jit
+def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: int):
+    """gmem[i] += smem[i] (fp32) over ``num_bytes`` with one TMA bulk reduction (no tensor map;
+    both addresses 16-byte aligned, size a multiple of 16). Completes through the bulk async
+    group: commit, then ``cp_async_bulk_wait_group(0, read=True)`` before reusing the smem."""
+    llvm.inline_asm(
+        None, [gmem_ptr.llvm_ptr, smem_ptr.toint().ir_value(), Int32(num_bytes).ir_value()],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)

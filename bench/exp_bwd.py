@@ -1,0 +1,74 @@
+"""Experiment harness: time backward main-kernel variants side by side (one process, one GPU).
+
+    python bench/exp_bwd.py
+A variant is a BwdSm90Config override of the main kernel; preprocess and postprocess are the
+shipped ones. Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA-free),
+then all variants are timed interleaved over several rounds (median per variant), the whole
+backward (pre + main + post) per call, so clock drift hits all alike.
+"""
+import math
+
+import torch
+
+from check_fwd import timeit  # bench/ is on sys.path when run as a script
+from flash_cute import backward, dispatch
+from flash_cute.reference import attention_ref, check_grads_close
+
+VARIANTS = {
+    "bulk": {},
+    "atomic": {"dq_bulk": False},
+}
+SHAPES = [(128, 4096, False), (128, 16384, True), (64, 4096, False), (96, 4096, True)]
+ROUNDS = 5
+
+
+def with_main(main_fn, fn):
+    """Run ``fn`` with backward.get_bwd_kernels returning ``main_fn`` as the main kernel."""
+    orig = backward.get_bwd_kernels
+
+    def patched(*a):
+        pre, _, post = orig(*a)
+        return pre, main_fn, post
+    backward.get_bwd_kernels = patched
+    try:
+        return fn()
+    finally:
+        backward.get_bwd_kernels = orig
+
+
+def grads(q, k, v, dout, causal, upcast):
+    with torch.enable_grad():
+        leaves = [(t.float() if upcast else t).detach().requires_grad_() for t in (q, k, v)]
+        out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
+        return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
+
+
+for d, s, causal in SHAPES:
+    b, h = 16384 // s, 2048 // d
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    scale = d ** -0.5
+    out, lse = dispatch.fwd(q, k, v, softmax_scale=scale, causal=causal)
+    flops = 10 * b * s * s * h * d / (2 if causal else 1)
+    qs, ks, vs, dos = (t[:2, :333] for t in (q, k, v, dout))
+    ks, vs = (torch.randn(2, 517, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    outs, lses = dispatch.fwd(qs, ks, vs, softmax_scale=scale, causal=causal)
+    ref, low = (grads(qs, ks, vs, dos, causal, up) for up in (True, False))
+    fns = {}
+    for name, kw in VARIANTS.items():
+        main = backward._compile_main("sm_90a", "BFloat16", d, causal, False, **kw)
+        try:
+            got = with_main(main, lambda: backward.bwd(dos, qs, ks, vs, outs, lses,
+                                                       softmax_scale=scale, causal=causal))
+            check_grads_close(got, ref, low)
+        except AssertionError as e:
+            print(f"d={d} causal={int(causal)} {name}: FAIL {str(e)[:300]}", flush=True)
+            continue
+        fns[name] = (lambda main=main: with_main(main, lambda: backward.bwd(
+            dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)))
+    times = {n: [] for n in fns}
+    for _ in range(ROUNDS):
+        for n, fn in fns.items():
+            times[n].append(timeit(fn, reps=5))
+    cells = [f"{n}={flops / sorted(t)[len(t) // 2] / 1e9:.0f}" for n, t in times.items()]
+    print(f"bwd d={d} s={s} causal={int(causal)} TFLOP/s: " + " ".join(cells), flush=True)
