@@ -74,7 +74,7 @@ class BwdSm90Config:
     tile_n: int = 128          # keys per CTA: two MMA warpgroups x 64 (one wgmma M each)
     stages: int = 2            # Q/LSE and dO/D ring depth: load m+1 while m computes
     dq_chunk: int = 64         # dQ = dS K in column chunks: live dQ registers = 64*chunk/128
-    dq_bulk: bool = True       # dQ via smem + TMA bulk reduce-add (False: red.add per element)
+    dq_split_n: bool = False   # dQ tile shared by the warpgroups, split along d (needs d % 128)
 
     @property
     def dq_row(self) -> int:
@@ -89,4 +89,5 @@ class BwdSm90Config:
                 f"{BWD_SUPPORTED_HEAD_DIMS}); use the interim backward")
         # A chunk must be whole 128-byte swizzle atoms of K^T (64 elements); d = 96 uses a
         # 64-byte atom (32 elements) and runs in one piece (48 registers).
-        return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d)
+        return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d,
+                             dq_split_n=d % 128 == 0)

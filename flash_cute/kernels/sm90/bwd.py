@@ -99,8 +99,8 @@ DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 
 class Barrier(enum.IntEnum):
     SYNC_THREADS = 0  # reserved by __syncthreads
-    DS_WG1 = 1        # DS_WG1 + i: warpgroup i's dS^T is in shared memory
-    DS_WG2 = 2
+    DS_READY = 1      # dS^T is in shared memory: both warpgroups (split_n), else DS_READY + i
+    DS_READY_WG2 = 2  # for warpgroup i alone
     DQ_FULL = 3       # mma warpgroups -> dQ warp: both sdQ tiles are written
     DQ_EMPTY = 4      # dQ warp -> mma warpgroups: the bulk reduce has read sdQ
 
@@ -119,6 +119,7 @@ class FlashBwdSm90:
         if self.d % cfg.dq_chunk != 0:
             raise ValueError(f"dq_chunk {cfg.dq_chunk} must divide head_dim {self.d}")
         self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
+        self.num_dq_tiles = 1 if cfg.dq_split_n else NUM_MMA_WG
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
@@ -145,22 +146,30 @@ class FlashBwdSm90:
         mma_dkv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
             tiler_mn=(KEYS_PER_WG, d), a_source=warpgroup.OperandSource.RMEM)
-        # dQ_wg = dS_wg K_wg, one warpgroup: A = sdS^T (queries contiguous), B = K^T chunk.
-        mma_dq = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
-            tiler_mn=(tm, self.cfg.dq_chunk))
+        # dQ = dS K, A = sdS^T (queries contiguous), B = K^T (d contiguous). split_n: the two
+        # warpgroups split d and both read every key's dS; else each warpgroup multiplies its
+        # own 64 keys' dS by K, d in chunks.
+        if const_expr(self.cfg.dq_split_n):
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, NUM_MMA_WG, 1),
+                tiler_mn=(tm, d // NUM_MMA_WG))
+        else:
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
+                tiler_mn=(tm, self.cfg.dq_chunk))
 
         sQ_layout = make_smem_layout(dt, (tm, d), stages)
         sdO_layout = make_smem_layout(dt, (tm, d), stages)
         sK_layout = make_smem_layout(dt, (tn, d))
         sV_layout = make_smem_layout(dt, (tn, d))
-        sdS_layout = make_smem_layout(dt, (tn, tm))
+        # split_n: two dS buffers, so a warpgroup can write block m+1's dS while the other
+        # still reads block m's in its dQ wgmma.
+        sdS_layout = make_smem_layout(dt, (tn, tm), 2 if self.cfg.dq_split_n else 1)
         sLSE_layout = cute.make_layout((tm, stages))
-        # One fp32 dQ tile per mma warpgroup, rows padded like dQaccum's (a bulk copy is 1-D).
+        # fp32 dQ tiles (one shared, or one per warpgroup), rows padded like dQaccum's.
         dq_row = self.cfg.dq_row
-        sdQ_layout = cute.make_layout((tm, d, NUM_MMA_WG), stride=(dq_row, 1, tm * dq_row))
-        if const_expr(not self.cfg.dq_bulk):
-            sdQ_layout = cute.make_layout(4)  # unused
+        sdQ_layout = cute.make_layout((tm, d, self.num_dq_tiles),
+                                      stride=(dq_row, 1, tm * dq_row))
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
@@ -250,9 +259,8 @@ class FlashBwdSm90:
                 self.load(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q, tma_k,
                           tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do, n_block,
                           head, head_kv, batch, m_begin, m_end)
-            if const_expr(self.cfg.dq_bulk):
-                if warp_idx == DQ_WARP:
-                    self.dq_reduce(mdQaccum, sdQ, head, batch, m_begin, m_end)
+            if warp_idx == DQ_WARP:
+                self.dq_reduce(mdQaccum, sdQ, head, batch, m_begin, m_end)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self.mma(mma_sdp, mma_dkv, mma_dq, mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE,
@@ -326,18 +334,27 @@ class FlashBwdSm90:
         tdVrdV.fill(0.0)
         tdKrdK.fill(0.0)
 
-        # dQ_wg = dS_wg K_wg over this warpgroup's 64 keys, in column chunks of K^T.
-        chunk = self.cfg.dq_chunk
-        thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
-        sdS_wg = cute.local_tile(sdS, (KEYS_PER_WG, tm), (wg, 0))
-        sK_wg = cute.local_tile(sK, (KEYS_PER_WG, d), (wg, 0))
-        tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS_wg)))
-        tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(
-            cute.local_tile(transpose_mn(sK_wg), (chunk, KEYS_PER_WG), (c, 0))))
-            for c in range(d // chunk)]
-        tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((tm, chunk)))
-        sdQ_wg = sdQ[None, None, wg] if const_expr(self.cfg.dq_bulk) else sdQ
+        if const_expr(self.cfg.dq_split_n):
+            # dQ[:, this warpgroup's half of d] = dS K over all tile_n keys, one wgmma group;
+            # tdQrdS keeps sdS's buffer mode.
+            thr_dq = mma_dq.get_slice(tidx)
+            tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
+            tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sK)))]
+            tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
+            tdQsdQ = [thr_dq.partition_C(sdQ[None, None, 0])]
+        else:
+            # dQ_wg = dS_wg K_wg over this warpgroup's 64 keys, in column chunks of K^T.
+            chunk = self.cfg.dq_chunk
+            thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
+            sdS_wg = cute.local_tile(sdS[None, None, 0], (KEYS_PER_WG, tm), (wg, 0))
+            sK_wg = cute.local_tile(sK, (KEYS_PER_WG, d), (wg, 0))
+            tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS_wg)))
+            tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(
+                cute.local_tile(transpose_mn(sK_wg), (chunk, KEYS_PER_WG), (c, 0))))
+                for c in range(d // chunk)]
+            tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
+            tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ[None, None, wg], (tm, chunk),
+                                                         (0, c))) for c in range(d // chunk)]
 
         # dS^T registers -> sdS (this warpgroup's 64 rows) with stmatrix.
         store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
@@ -357,8 +374,7 @@ class FlashBwdSm90:
         m_mask_end = cutlass.max(m_begin, block_info.m_block_mask_end(
             n_block, tm, tn, seqlen_q, seqlen_k, self.causal))
         frags = (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO,
-                 tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQcdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS,
-                 thr_dq, sdQ_wg)
+                 tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
         for m_block in cutlass.range(m_begin, cutlass.min(m_mask_end, m_end), unroll=1):
             st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sLSE, sD,
                              mdQaccum, pipe_q, pipe_do, scale_log2, wg, n_block, head, batch,
@@ -378,8 +394,7 @@ class FlashBwdSm90:
                batch: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring)."""
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
-         tdQrdS, tdQrK, tdQrdQ, tdQcdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS, thr_dq,
-         sdQ_wg) = frags
+         tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
         tm, tn = self.tile_m, self.tile_n
         s = st.index
         pipe_q.consumer_wait(st)
@@ -415,32 +430,30 @@ class FlashBwdSm90:
         rdS.store(tdPrdP.load().to(self.dtype))
         tdKrdS.store(acc_as_operand_a(rdS).load())
 
-        # This warpgroup's dS^T rows -> sdS; its previous dQ wgmma finished (wait 0 below).
-        cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS)
+        # dS^T rows -> sdS. split_n: buffer m % 2, then both warpgroups meet (each reads all
+        # of sdS); the buffer was last read by block m-2's dQ, waited on before block m-1's
+        # barrier. Else: this warpgroup's rows, its own previous dQ wgmma done (wait 0 below).
+        split = const_expr(self.cfg.dq_split_n)
+        buf = m_block % 2 if split else 0
+        cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS[None, None, None, buf])
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
-        cute.arch.barrier(barrier_id=int(Barrier.DS_WG1) + wg, number_of_threads=WG_THREADS)
+        if split:
+            cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
+                              number_of_threads=NUM_MMA_WG * WG_THREADS)
+        else:
+            cute.arch.barrier(barrier_id=int(Barrier.DS_READY) + wg,
+                              number_of_threads=WG_THREADS)
         gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
              wait_group=-1)
 
-        chunk = self.cfg.dq_chunk
-        if const_expr(self.cfg.dq_bulk):
-            # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
-            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
-            for c in cutlass.range_constexpr(len(tdQrK)):
-                gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[c], zero_init=True, wait_group=0)
-                sdQ_c = cute.local_tile(sdQ_wg, (tm, chunk), (0, c))
-                cute.autovec_copy(tdQrdQ, thr_dq.partition_C(sdQ_c))
-            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
-            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL),
-                                     number_of_threads=DQ_THREADS)
-        else:
-            gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (tm, self.d), (m_block, 0))
-            for c in cutlass.range_constexpr(len(tdQrK)):
-                gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[c], zero_init=True, wait_group=0)
-                gdQ_c = cute.local_tile(gdQ, (tm, chunk), (0, c))
-                for i in cutlass.range_constexpr(cute.size(tdQrdQ)):
-                    cute.arch.atomic_add(
-                        gdQ_c.iterator + cute.crd2idx(tdQcdQ[i], gdQ_c.layout), tdQrdQ[i])
+        # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+        for c in cutlass.range_constexpr(len(tdQrK)):
+            rdS_dq = tdQrdS[None, None, None, buf] if split else tdQrdS
+            gemm(mma_dq, tdQrdQ, rdS_dq, tdQrK[c], zero_init=True, wait_group=0)
+            cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
         pipe_q.consumer_release(st)
         pipe_do.consumer_release(st)
         st.advance()
@@ -463,7 +476,7 @@ class FlashBwdSm90:
             if lane == 0:
                 gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (tm, self.d),
                                       (m_block, 0))
-                for w in cutlass.range_constexpr(NUM_MMA_WG):
+                for w in cutlass.range_constexpr(self.num_dq_tiles):
                     bulk_reduce_add_f32(gdQ.iterator, sdQ[None, None, w].iterator, tile_bytes)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
