@@ -1,7 +1,7 @@
 """Experiment harness: time backward main-kernel variants side by side (one process, one GPU).
 
     python bench/exp_bwd.py
-A variant is a BwdSm90Config override of the main kernel; preprocess and postprocess are the
+A variant is a BwdSm90Config override of the main kernel (or deterministic=True); preprocess and postprocess are the
 shipped ones. Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA-free),
 then all variants are timed interleaved over several rounds (median per variant), the whole
 backward (pre + main + post) per call, so clock drift hits all alike.
@@ -16,9 +16,11 @@ from flash_cute.reference import attention_ref, check_grads_close
 
 VARIANTS = {
     "default": {},
-    "per_wg": {"dq_split_n": False},
+    "alt": {"dq_split": "alt"},
+    "deterministic": {"deterministic": True},
 }
-SHAPES = [(128, 4096, False), (128, 16384, False), (128, 16384, True)]
+SHAPES = [(128, 16384, False), (128, 4096, True), (64, 4096, False), (64, 16384, True),
+          (96, 4096, False)]
 ROUNDS = 5
 
 
@@ -57,15 +59,17 @@ for d, s, causal in SHAPES:
     fns = {}
     for name, kw in VARIANTS.items():
         main = backward._compile_main("sm_90a", "BFloat16", d, causal, False, **kw)
+        det = kw.get("deterministic", False)
         try:
             got = with_main(main, lambda: backward.bwd(dos, qs, ks, vs, outs, lses,
-                                                       softmax_scale=scale, causal=causal))
+                                                       softmax_scale=scale, causal=causal,
+                                                       deterministic=det))
             check_grads_close(got, ref, low)
         except AssertionError as e:
             print(f"d={d} causal={int(causal)} {name}: FAIL {str(e)[:300]}", flush=True)
             continue
-        fns[name] = (lambda main=main: with_main(main, lambda: backward.bwd(
-            dout, q, k, v, out, lse, softmax_scale=scale, causal=causal)))
+        fns[name] = (lambda main=main, det=det: with_main(main, lambda: backward.bwd(
+            dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, deterministic=det)))
     times = {n: [] for n in fns}
     for _ in range(ROUNDS):
         for n, fn in fns.items():

@@ -67,15 +67,16 @@ def _interim_grads(dout, q, k, v, needs, **ref_opts):
 # Explicit schemas: the ops' contract, spelled out rather than inferred from type hints.
 @torch.library.custom_op(
     "flash_cute::fwd", mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal)"
-           " -> (Tensor out, Tensor lse)")
-def _fwd(q, k, v, softmax_scale, causal):
+    schema="(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal,"
+           " bool deterministic=False) -> (Tensor out, Tensor lse)")
+def _fwd(q, k, v, softmax_scale, causal, deterministic=False):
+    # deterministic only reaches the backward (through the autograd context).
     # Looked up on the module at call time, so tests can stand in a CPU forward.
     return dispatch.fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
     b, sq, h, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((b, h, sq), dtype=torch.float32))
@@ -84,36 +85,40 @@ def _fwd_fake(q, k, v, softmax_scale, causal):
 @torch.library.custom_op(
     "flash_cute::bwd", mutates_args=(),
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
-           " float softmax_scale, bool causal) -> (Tensor dq, Tensor dk, Tensor dv)")
-def _bwd(dout, q, k, v, out, lse, softmax_scale, causal):
-    # The fused kernels are opt-in (FLASH_CUTE_FUSED_BWD=1) until they have run on a GPU; the
-    # interim one recomputes out and lse and takes any dout layout (it copies to fp32).
+           " float softmax_scale, bool causal, bool deterministic=False)"
+           " -> (Tensor dq, Tensor dk, Tensor dv)")
+def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
+    # Fused kernels on sm_90 for the head dims they cover; otherwise (or FLASH_CUTE_FUSED_BWD=0)
+    # the fp32 recompute, which takes any dout layout (it copies to fp32).
     if (backward.fused_bwd_enabled() and q.is_cuda
             and torch.cuda.get_device_capability(q.device) == (9, 0)
             and backward.unsupported_bwd_option(head_dim=q.shape[-1]) is None):
         return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                            causal=causal)
+                            causal=causal, deterministic=deterministic)
     return _interim_bwd(dout, q, k, v, softmax_scale, causal)
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal):
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, softmax_scale, causal, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.deterministic = bool(rest[0]) if rest else False
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    grads = torch.ops.flash_cute.bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal)
-    # The op computes all three; hand autograd only those it asked for.
-    return (*(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])), None, None)
+    grads = torch.ops.flash_cute.bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                                     ctx.deterministic)
+    # The op computes all three; hand autograd only those it asked for (none for the flags).
+    wanted = (g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3]))
+    return (*wanted, None, None, None)
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)

@@ -1,7 +1,7 @@
 """Host side of the fused SM90 backward: allocations, compile cache, three launches.
 
-STATUS: every kernel variant compiles for sm_90a (tests/test_compile_bwd.py); the kernels have
-not yet run on a GPU. Check them with ``python bench/check_bwd.py`` on an H200 first.
+STATUS: checked on the H200 (bench/check_bwd.py: 85 awkward cases against the fp32 oracle;
+tests/test_gpu.py gradient tests); timings in docs/performance.md.
 
     bwd(dout, q, k, v, out, lse, softmax_scale=..., causal=...) -> (dq, dk, dv)
 
@@ -12,11 +12,9 @@ not yet run on a GPU. Check them with ``python bench/check_bwd.py`` on an H200 f
     3. bwd_post  dq = softmax_scale * dQaccum; GQA: dk, dv = sum over the query heads of a
                  KV head of the per-query-head fp32 dK, dV     kernels/sm90/bwd_post.py
 
-Opt-in: ``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` only when the environment
-variable ``FLASH_CUTE_FUSED_BWD=1`` is set (``fused_bwd_enabled()``), the tensors are on CUDA
-and ``unsupported_bwd_option`` returns None; otherwise it runs the interim fp32 recompute.
-The default flips once the kernels pass on the H200 (e.g. ``FLASH_CUTE_FUSED_BWD=1 python -m
-pytest -m gpu`` and ``bench/check_bwd.py``).
+``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` when the tensors are on an sm_90 GPU
+and ``unsupported_bwd_option`` returns None (d 64/96/128 today); otherwise, or with
+``FLASH_CUTE_FUSED_BWD=0``, it runs the fp32 recompute (d 192/256 until their kernels exist).
 
 Compilation follows ``flash_cute.dispatch``: fake tensors with symbolic sizes and strides, so the
 cache key holds only code-changing values (arch, dtype, head dim, causal, GQA) and never a
@@ -46,18 +44,17 @@ _cache_lock = threading.Lock()
 
 
 def fused_bwd_enabled() -> bool:
-    """True when FLASH_CUTE_FUSED_BWD=1: flash_cute::bwd then runs these kernels (d 64/96/128)."""
-    return os.environ.get(ENV_FLAG, "0") == "1"
+    """False only when FLASH_CUTE_FUSED_BWD=0: flash_cute::bwd then takes the fp32 recompute
+    (slow, O(s^2) memory: a cross-check, not a production path)."""
+    return os.environ.get(ENV_FLAG, "1") != "0"
 
 
-def unsupported_bwd_option(*, head_dim: int, deterministic: bool = False, window_size=(-1, -1),
+def unsupported_bwd_option(*, head_dim: int, window_size=(-1, -1),
                            softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
                            varlen: bool = False):
     """Why the fused backward cannot run this call (a string), or None if it can."""
     if head_dim not in BWD_SUPPORTED_HEAD_DIMS:
         return f"head_dim={head_dim} (fused backward supports {BWD_SUPPORTED_HEAD_DIMS})"
-    if deterministic:
-        return "deterministic=True (dQ is accumulated with atomics)"
     if tuple(window_size) != (-1, -1) or softcap != 0.0 or alibi_slopes is not None:
         return "window_size/softcap/alibi_slopes (not in the fused backward yet)"
     if dropout_p != 0.0:
@@ -126,7 +123,8 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False):
     return compile_kernel(FlashBwdPreSm90(dt, d), args, keep_cubin)
 
 
-def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, **cfg_overrides):
+def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
+                  **cfg_overrides):
     import cutlass
     import cutlass.cute as cute
 
@@ -143,8 +141,11 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, **cfg_over
             _fake_qkv(dt, d, b, sq, h), _fake_padded_rows(b, h, sq_pad),
             _fake_padded_rows(b, h, sq_pad), _fake_dq_accum(b, h, sq_pad, cfg),
             _fake_qkv(dkv_dt, d, b, sk, dkv_heads), _fake_qkv(dkv_dt, d, b, sk, dkv_heads),
+            cute.runtime.make_fake_compact_tensor(cutlass.Int32, (b, h, cute.sym_int()),
+                                                  stride_order=(2, 1, 0), assumed_align=4),
             cutlass.Float32(1.0), cutlass.Float32(1.0))
-    return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt), args, keep_cubin)
+    return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt, deterministic), args,
+                          keep_cubin)
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False):
@@ -170,36 +171,42 @@ def _get(key, build):
         return _cache[key]
 
 
-def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool):
-    """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across causal/GQA."""
+def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
+                    deterministic: bool = False):
+    """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across the flags."""
     pre = _get(("bwd_pre", arch, dtype_name, d), lambda: _compile_pre(arch, dtype_name, d))
-    main = _get(("bwd", arch, dtype_name, d, causal, gqa),
-                lambda: _compile_main(arch, dtype_name, d, causal, gqa))
+    main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic),
+                lambda: _compile_main(arch, dtype_name, d, causal, gqa,
+                                      deterministic=deterministic))
     post = _get(("bwd_post", arch, dtype_name, d), lambda: _compile_post(arch, dtype_name, d))
     return pre, main, post
 
 
-def bwd_variants():
-    """Every backward main-kernel variant: (dtype, head_dim, causal, gqa)."""
-    return [(dt, d, c, g) for dt in ("BFloat16", "Float16") for d in BWD_SUPPORTED_HEAD_DIMS
-            for c in (False, True) for g in (False, True)]
+def bwd_variants(deterministic=(False, True)):
+    """Every backward main-kernel variant: (dtype, head_dim, causal, gqa, deterministic)."""
+    return [(dt, d, c, g, det) for dt in ("BFloat16", "Float16")
+            for d in BWD_SUPPORTED_HEAD_DIMS for c in (False, True) for g in (False, True)
+            for det in deterministic]
 
 
 def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False,
-              kernel: str = "main") -> bytes:
+              deterministic: bool = False, kernel: str = "main") -> bytes:
     """The cubin of one backward kernel ("pre", "main" or "post"), for SASS checks."""
     if kernel == "pre":
         compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True)
     elif kernel == "post":
         compiled = _compile_post(arch, dtype_name, d, keep_cubin=True)
     else:
-        compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True)
+        compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True,
+                                 deterministic=deterministic)
     return compiled.__cubin__
 
 
-def bwd_ptx(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False) -> str:
+def bwd_ptx(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False,
+            deterministic: bool = False) -> str:
     """The PTX of one main-kernel variant, for ptxas checks (register use, C7512)."""
-    return _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin="ptx").__ptx__
+    return _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin="ptx",
+                         deterministic=deterministic).__ptx__
 
 
 # -------------------------------------------------------------------------------- launch
@@ -221,9 +228,6 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, out, dout (b, sq, h, d); k, v (b, sk, hk, d), h % hk == 0; lse fp32 (b, h, sq) natural
     log, as returned by the forward. Inputs are assumed validated like the forward's.
     """
-    if deterministic:
-        raise NotImplementedError("flash_cute fused backward: deterministic=True is not "
-                                  "implemented (dQ is accumulated with atomics)")
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if d not in BWD_SUPPORTED_HEAD_DIMS:
@@ -242,7 +246,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cfg = BwdSm90Config.for_head_dim(d)
     gqa = h != hk
     pre, main, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
-                                      gqa)
+                                      gqa, bool(deterministic))
     q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
     lse = lse.detach().contiguous()
 
@@ -251,6 +255,9 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse_log2 = torch.empty((b, h, sq_pad), **f32)
     dpsum = torch.empty((b, h, sq_pad), **f32)
     dq_accum = torch.empty((b, h, sq_pad, cfg.dq_row), **f32)[..., :d]
+    # One counter per query block (deterministic dQ order); a stub otherwise.
+    sem = torch.zeros((b, h, sq_pad // cfg.tile_m) if deterministic else (1, 1, 1),
+                      dtype=torch.int32, device=q.device)
     if gqa:
         dk_out = torch.empty((b, sk, h, d), **f32)
         dv_out = torch.empty((b, sk, h, d), **f32)
@@ -258,7 +265,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dk_out, dv_out = dk, dv
 
     pre(out, dout, lse, lse_log2, dpsum, dq_accum)
-    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out,
+    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale)
     post(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale)
     if gqa:

@@ -8,8 +8,8 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 class FwdSm90Config:
     """Tile shape and pipeline depth of the SM90 forward kernel for one head dim."""
     head_dim: int
-    # Consumer warpgroups, 64 query rows each. 3 (tile 192 x 64) compiles spill-free for d=64
-    # only; it waits to be measured against 2 x 128 x 128 (bench/exp_fwd.py).
+    # Consumer warpgroups, 64 query rows each. d=64 uses 3 (tile 192 x 128, with packed_p_cvt:
+    # spill-free only with it): +7-18% over 2 on the H200 (docs/performance.md, v9).
     num_consumer_wg: int = 2
     tile_n: int = 128
     kv_stages: int = 2
@@ -19,8 +19,8 @@ class FwdSm90Config:
     longest_first: bool = True      # causal: launch the tiles with the most key blocks first
     # Convert P with pinned packed cvt instructions. Left free, the compiler sinks the plain
     # conversion into the next iteration (S stays live in fp32): 192 x 128 tiles at d=64 spill
-    # without it and compile clean with it; at d=256 its C7519 warnings go away. Off until
-    # timed on the H200 (docs/sass_vs_fa4.md, docs/performance.md).
+    # without it and compile clean with it. Timed on the H200: +2-7% at d=64, mixed at d=128
+    # (-2% non-causal, +4% causal), -5..-9% at d=256; on for d=64 only.
     packed_p_cvt: bool = False
 
     def __post_init__(self):
@@ -36,6 +36,8 @@ class FwdSm90Config:
         # Shared memory is Q (tile_m*d) + stages * 2 * (tile_n*d) 2-byte elements, <= 227 KB;
         # larger d forces a narrower key block.
         tile_n = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}[d]
+        if d == 64:
+            return FwdSm90Config(head_dim=d, tile_n=tile_n, num_consumer_wg=3, packed_p_cvt=True)
         return FwdSm90Config(head_dim=d, tile_n=tile_n)
 
 
@@ -74,7 +76,11 @@ class BwdSm90Config:
     tile_n: int = 128          # keys per CTA: two MMA warpgroups x 64 (one wgmma M each)
     stages: int = 2            # Q/LSE and dO/D ring depth: load m+1 while m computes
     dq_chunk: int = 64         # dQ = dS K in column chunks: live dQ registers = 64*chunk/128
-    dq_split_n: bool = False   # dQ tile shared by the warpgroups, split along d (needs d % 128)
+    # How the two mma warpgroups share dQ = dS K for a query block: "wg", each its own 64 keys
+    # (two tiles reduced); "n", one tile split along d (d % 128 == 0: whole swizzle atoms);
+    # "m", one tile split along queries (tile_m = 128); "alt", one tile, all of it by one
+    # warpgroup, alternating per query block.
+    dq_split: str = "wg"
 
     @property
     def dq_row(self) -> int:
@@ -90,4 +96,11 @@ class BwdSm90Config:
         # A chunk must be whole 128-byte swizzle atoms of K^T (64 elements); d = 96 uses a
         # 64-byte atom (32 elements) and runs in one piece (48 registers).
         return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d,
-                             dq_split_n=d % 128 == 0)
+                             dq_split="n" if d % 128 == 0 else "wg")
+
+    def __post_init__(self):
+        if self.dq_split not in ("wg", "n", "m", "alt"):
+            raise ValueError(f"dq_split must be 'wg', 'n', 'm' or 'alt', got {self.dq_split!r}")
+        if (self.dq_split == "m") != (self.tile_m == 128):
+            raise ValueError(f"dq_split='m' goes with tile_m=128 (got {self.dq_split!r}, "
+                             f"tile_m={self.tile_m})")

@@ -2,8 +2,9 @@
 cannot run yet, then hand over to the ``flash_cute::fwd`` custom op (autograd.py).
 
 Differences from FA2: dropout is not supported (dropout_p must be 0.0), so with
-return_attn_probs=True the third value (S_dmask) is always None. ``deterministic`` is accepted
-for compatibility; the forward is deterministic and so is the interim backward.
+return_attn_probs=True the third value (S_dmask) is always None. ``deterministic=True`` makes
+the backward add dQ contributions in a fixed order (bit-identical gradients run to run; the
+forward is always deterministic).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
         out, lse = FlashAttnVarlenFunc.apply(q, k, v, opts)
     else:
         # The check above leaves every other option at its default, so the op needs only these.
-        out, lse = torch.ops.flash_cute.fwd(q, k, v, opts["softmax_scale"], opts["causal"])
+        out, lse = torch.ops.flash_cute.fwd(q, k, v, opts["softmax_scale"], opts["causal"],
+                                            deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -168,14 +168,15 @@ def test_opcheck_fwd(standin, causal):
                           test_utils=OPCHECK_TESTS)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_opcheck_bwd(standin, causal):
+@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, False), (True, True)])
+def test_opcheck_bwd(standin, causal, deterministic):
     q, k, v = (rand(2, 5, 4, 64, grad=False), rand(2, 7, 2, 64, seed=1, grad=False),
                rand(2, 7, 2, 64, seed=2, grad=False))
     out, lse = torch.ops.flash_cute.fwd(q, k, v, 0.3, causal)
     dout = rand(2, 64, 4, 5, seed=3, grad=False).transpose(1, 3)  # strided
     torch.library.opcheck(torch.ops.flash_cute.bwd.default,
-                          (dout, q, k, v, out, lse, 0.3, causal), test_utils=OPCHECK_TESTS)
+                          (dout, q, k, v, out, lse, 0.3, causal, deterministic),
+                          test_utils=OPCHECK_TESTS)
 
 
 class _TinyAttention(torch.nn.Module):
@@ -224,9 +225,9 @@ def test_public_api():
 
 
 def test_fused_backward_flag_falls_back_off_gpu(standin, monkeypatch):
-    # FLASH_CUTE_FUSED_BWD=1 selects the fused kernels only for CUDA tensors of a supported
-    # head dim; anything else keeps the interim backward.
-    monkeypatch.setenv("FLASH_CUTE_FUSED_BWD", "1")
+    # The fused kernels run only for CUDA tensors of a supported head dim; anything else keeps
+    # the fp32 recompute.
+    monkeypatch.delenv("FLASH_CUTE_FUSED_BWD", raising=False)
     called = []
     monkeypatch.setattr("flash_cute.backward.bwd", lambda *a, **kw: called.append(1))
     q, k, v = rand(1, 5, 2, 64), rand(1, 5, 2, 64, seed=1), rand(1, 5, 2, 64, seed=2)

@@ -106,9 +106,12 @@ class Barrier(enum.IntEnum):
 
 
 class FlashBwdSm90:
-    def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None):
+    def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
+                 deterministic: bool = False):
         """``dkv_dtype``: element type of the dK / dV outputs (the input dtype, or Float32 for
-        the per-query-head GQA buffers that bwd_post sums)."""
+        the per-query-head GQA buffers that bwd_post sums). ``deterministic``: key blocks add
+        into a query block's dQaccum in key-block order (a semaphore per query block)."""
+        self.deterministic = deterministic
         self.dtype = dtype
         self.dkv_dtype = dtype if dkv_dtype is None else dkv_dtype
         self.cfg = cfg
@@ -119,22 +122,24 @@ class FlashBwdSm90:
         if self.d % cfg.dq_chunk != 0:
             raise ValueError(f"dq_chunk {cfg.dq_chunk} must divide head_dim {self.d}")
         self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
-        self.num_dq_tiles = 1 if cfg.dq_split_n else NUM_MMA_WG
+        self.num_dq_tiles = NUM_MMA_WG if cfg.dq_split == "wg" else 1
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, scale_log2: Float32, dk_scale: Float32,
+                 mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32, dk_scale: Float32,
                  stream: cuda.CUstream):
         """mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD (b, h, sq_pad)
         fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in dkv_dtype,
-        indexed by the query head (equal to the KV head when h == hk)."""
+        indexed by the query head (equal to the KV head when h == hk); mSem (b, h, sq_pad / tm)
+        int32, zeroed (read only when deterministic)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [1, 3, 2, 0])
                                      for t in (mQ, mdO, mK, mV, mdK, mdV)]
         mLSE, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE, mD)]
         mdQaccum = select_modes(mdQaccum, [2, 3, 1, 0])
+        mSem = select_modes(mSem, [2, 1, 0])
         dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.stages
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
 
@@ -146,13 +151,17 @@ class FlashBwdSm90:
         mma_dkv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
             tiler_mn=(KEYS_PER_WG, d), a_source=warpgroup.OperandSource.RMEM)
-        # dQ = dS K, A = sdS^T (queries contiguous), B = K^T (d contiguous). split_n: the two
-        # warpgroups split d and both read every key's dS; else each warpgroup multiplies its
-        # own 64 keys' dS by K, d in chunks.
-        if const_expr(self.cfg.dq_split_n):
+        # dQ = dS K, A = sdS^T (queries contiguous), B = K^T (d contiguous). Split "n" / "m":
+        # the warpgroups split d / the queries and both read every key's dS; "wg": each
+        # multiplies its own 64 keys' dS by K, d in chunks.
+        if const_expr(self.cfg.dq_split == "n"):
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, NUM_MMA_WG, 1),
                 tiler_mn=(tm, d // NUM_MMA_WG))
+        elif const_expr(self.cfg.dq_split == "m"):
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
+                tiler_mn=(tm // NUM_MMA_WG, d))
         else:
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
@@ -162,9 +171,9 @@ class FlashBwdSm90:
         sdO_layout = make_smem_layout(dt, (tm, d), stages)
         sK_layout = make_smem_layout(dt, (tn, d))
         sV_layout = make_smem_layout(dt, (tn, d))
-        # split_n: two dS buffers, so a warpgroup can write block m+1's dS while the other
-        # still reads block m's in its dQ wgmma.
-        sdS_layout = make_smem_layout(dt, (tn, tm), 2 if self.cfg.dq_split_n else 1)
+        # Shared dQ tile: two dS buffers, so a warpgroup can write block m+1's dS while the
+        # other still reads block m's in its dQ wgmma.
+        sdS_layout = make_smem_layout(dt, (tn, tm), 1 if self.cfg.dq_split == "wg" else 2)
         sLSE_layout = cute.make_layout((tm, stages))
         # fp32 dQ tiles (one shared, or one per warpgroup), rows padded like dQaccum's.
         dq_row = self.cfg.dq_row
@@ -205,7 +214,7 @@ class FlashBwdSm90:
 
         self.shared_storage = SharedStorage
         num_n_blocks = cute.ceil_div(mK.shape[0], tn)
-        self.kernel(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mD, mdQaccum, mdK, mdV,
+        self.kernel(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mD, mdQaccum, mdK, mdV, mSem,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq).launch(
@@ -216,7 +225,7 @@ class FlashBwdSm90:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
+               mdV: cute.Tensor, mSem: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_v: cute.CopyAtom, tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom,
                tma_d: cute.CopyAtom, scale_log2: Float32, dk_scale: Float32,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
@@ -260,7 +269,7 @@ class FlashBwdSm90:
                           tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do, n_block,
                           head, head_kv, batch, m_begin, m_end)
             if warp_idx == DQ_WARP:
-                self.dq_reduce(mdQaccum, sdQ, head, batch, m_begin, m_end)
+                self.dq_reduce(mdQaccum, mSem, sdQ, n_block, head, batch, m_begin, m_end)
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
             self.mma(mma_sdp, mma_dkv, mma_dq, mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE,
@@ -334,9 +343,20 @@ class FlashBwdSm90:
         tdVrdV.fill(0.0)
         tdKrdK.fill(0.0)
 
-        if const_expr(self.cfg.dq_split_n):
-            # dQ[:, this warpgroup's half of d] = dS K over all tile_n keys, one wgmma group;
-            # tdQrdS keeps sdS's buffer mode.
+        chunk = self.cfg.dq_chunk
+        if const_expr(self.cfg.dq_split == "alt"):
+            # The whole dQ tile = dS K over all tile_n keys, by one warpgroup (alternating per
+            # query block), d in chunks; tdQrdS keeps sdS's buffer mode.
+            thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
+            tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
+            tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(
+                cute.local_tile(transpose_mn(sK), (chunk, tn), (c, 0)))) for c in range(d // chunk)]
+            tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
+            tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ[None, None, 0], (tm, chunk),
+                                                         (0, c))) for c in range(d // chunk)]
+        elif const_expr(self.cfg.dq_split != "wg"):
+            # This warpgroup's half of the dQ tile (d or queries) = dS K over all tile_n keys,
+            # one wgmma group; tdQrdS keeps sdS's buffer mode.
             thr_dq = mma_dq.get_slice(tidx)
             tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
             tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sK)))]
@@ -344,7 +364,6 @@ class FlashBwdSm90:
             tdQsdQ = [thr_dq.partition_C(sdQ[None, None, 0])]
         else:
             # dQ_wg = dS_wg K_wg over this warpgroup's 64 keys, in column chunks of K^T.
-            chunk = self.cfg.dq_chunk
             thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
             sdS_wg = cute.local_tile(sdS[None, None, 0], (KEYS_PER_WG, tm), (wg, 0))
             sK_wg = cute.local_tile(sK, (KEYS_PER_WG, d), (wg, 0))
@@ -430,10 +449,10 @@ class FlashBwdSm90:
         rdS.store(tdPrdP.load().to(self.dtype))
         tdKrdS.store(acc_as_operand_a(rdS).load())
 
-        # dS^T rows -> sdS. split_n: buffer m % 2, then both warpgroups meet (each reads all
-        # of sdS); the buffer was last read by block m-2's dQ, waited on before block m-1's
-        # barrier. Else: this warpgroup's rows, its own previous dQ wgmma done (wait 0 below).
-        split = const_expr(self.cfg.dq_split_n)
+        # dS^T rows -> sdS. Shared dQ tile: buffer m % 2, then both warpgroups meet (each reads
+        # all of sdS); the buffer was last read by block m-2's dQ, waited on before block m-1's
+        # barrier. "wg": this warpgroup's rows, its own previous dQ wgmma done (wait 0 below).
+        split = const_expr(self.cfg.dq_split != "wg")
         buf = m_block % 2 if split else 0
         cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS[None, None, None, buf])
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
@@ -448,10 +467,13 @@ class FlashBwdSm90:
 
         # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
         cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
-        for c in cutlass.range_constexpr(len(tdQrK)):
-            rdS_dq = tdQrdS[None, None, None, buf] if split else tdQrdS
-            gemm(mma_dq, tdQrdQ, rdS_dq, tdQrK[c], zero_init=True, wait_group=0)
-            cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+        if wg == m_block % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
+            for c in cutlass.range_constexpr(len(tdQrK)):
+                rdS_dq = tdQrdS[None, None, None, buf] if split else tdQrdS
+                gemm(mma_dq, tdQrdQ, rdS_dq, tdQrK[c], zero_init=True, wait_group=0)
+                cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+        else:
+            warpgroup.wait_group(0)  # dK done on both paths (else ptxas serializes, C7514)
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
         cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
         pipe_q.consumer_release(st)
@@ -460,10 +482,15 @@ class FlashBwdSm90:
         return st
 
     @cute.jit
-    def dq_reduce(self, mdQaccum: cute.Tensor, sdQ: cute.Tensor, head: Int32, batch: Int32,
-                  m_begin: Int32, m_end: Int32):
-        """dQ warp: per query block, add both warpgroups' sdQ tiles into the block's dQaccum
-        rows with TMA bulk reductions; sdQ is handed back once the reductions have read it."""
+    def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
+                  n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32):
+        """dQ warp: per query block, add the sdQ tile(s) into the block's dQaccum rows with TMA
+        bulk reductions; sdQ is handed back once the reductions have read it.
+
+        Deterministic: the key blocks adding into query block m are 0 .. N(m)-1 (causal drops a
+        suffix, never a prefix), so key block n waits until m's semaphore reads n, adds, waits
+        for its adds to land, then increments it. Lower key blocks launch first (they are
+        blockIdx.x), so the wait cannot deadlock."""
         tm = self.tile_m
         # A tile is tm padded rows; the last row's padding may lie past the allocation.
         tile_bytes = (tm * self.cfg.dq_row - DQ_ROW_PAD) * 4
@@ -476,10 +503,20 @@ class FlashBwdSm90:
             if lane == 0:
                 gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (tm, self.d),
                                       (m_block, 0))
+                sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
+                if const_expr(self.deterministic):
+                    while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
+                        pass
+                    cute.arch.fence_proxy("async.global")  # acquire before the async adds
                 for w in cutlass.range_constexpr(self.num_dq_tiles):
                     bulk_reduce_add_f32(gdQ.iterator, sdQ[None, None, w].iterator, tile_bytes)
                 cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(self.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds have landed
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
             if m_block + 1 < m_end:  # no arrive without a matching wait after the last block
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
