@@ -141,8 +141,10 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             _fake_qkv(dt, d, b, sq, h), _fake_padded_rows(b, h, sq_pad),
             _fake_padded_rows(b, h, sq_pad), _fake_dq_accum(b, h, sq_pad, cfg),
             _fake_qkv(dkv_dt, d, b, sk, dkv_heads), _fake_qkv(dkv_dt, d, b, sk, dkv_heads),
-            cute.runtime.make_fake_compact_tensor(cutlass.Int32, (b, h, cute.sym_int()),
-                                                  stride_order=(2, 1, 0), assumed_align=4),
+            # Its own sizes: a (1, 1, 1) stub when not deterministic.
+            cute.runtime.make_fake_compact_tensor(
+                cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+                stride_order=(2, 1, 0), assumed_align=4),
             cutlass.Float32(1.0), cutlass.Float32(1.0))
     return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt, deterministic), args,
                           keep_cubin)
