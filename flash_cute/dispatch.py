@@ -194,20 +194,25 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     """
     total_q, h, d = q.shape
     batch = cu_seqlens_q.shape[0] - 1
-    fill = seqused_q is not None or k.shape[0] == 0
-    out = (torch.zeros_like if fill else torch.empty_like)(q, memory_format=torch.contiguous_format)
-    lse = torch.full((h, total_q), -math.inf, dtype=torch.float32, device=q.device) if fill \
-        else torch.empty((h, total_q), dtype=torch.float32, device=q.device)
-    if total_q == 0 or k.shape[0] == 0:  # nothing to compute, or no keys anywhere (TMA needs
-        return out, lse                  # a non-empty tensor): every row is out 0, lse -inf
+    lse_shape = (h, total_q)
+    if seqused_q is not None or k.shape[0] == 0:
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if total_q == 0 or k.shape[0] == 0:  # nothing to compute, or no keys anywhere (a TMA
+        return out, lse                  # descriptor needs a non-empty K): out 0, lse -inf
     arch = _device_arch(q.device)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal), varlen=True)
     # cu_seqlens[b + 1] >= cu_seqlens[b + 1] - cu_seqlens[b]: as seqused it changes nothing.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
+    # No sequence is longer than all of q: a generous max_seqlen_q costs no empty tiles.
+    grid_rows = min(max_seqlen_q, total_q)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            heads_per_section(max_seqlen_k, d, q.element_size(), batch * h), cu_seqlens_q,
-           cu_seqlens_k, used_q, used_k, max_seqlen_q)
+           cu_seqlens_k, used_q, used_k, grid_rows)
     return out, lse
 
 

@@ -3,10 +3,12 @@
 Batched tensors carry the batch as a mode: a sequence is a slice, its length the padded one.
 Varlen (packed) tensors put every sequence's tokens one after another in the row mode: sequence
 ``b`` starts at row ``cu_seqlens[b]`` and uses ``min(cu_seqlens[b+1] - cu_seqlens[b],
-seqused[b])`` rows. The host passes ``cu_seqlens[1:]`` when no seqused is given: it bounds every
-length from above, so one kernel serves both cases. A sequence's views start at its first row
-but keep the packed extent, so reads past its end reach the next sequence's rows (or, for TMA,
-zero fill past the tensor): kernels must mask or predicate by the lengths here, never by shape.
+seqused[b])`` rows (FlashAttention takes seqused[b] as is; the min keeps a too-large one
+inside the sequence). The host passes ``cu_seqlens[1:]`` when no seqused is given: it bounds
+every length from above, so one kernel serves both cases. A sequence's views start at its first
+row but keep the packed extent, so reads past its end reach the next sequence's rows (or, for
+TMA, zero fill past the tensor): kernels must mask or predicate by the lengths here, never by
+shape.
 
 Kernel layouts: batched Q/K/V/O (s, d, h, b) and LSE (s, h, b); varlen Q/K/V/O (total, d, h)
 and LSE (total, h).
