@@ -33,8 +33,9 @@ def compile_variant(d, causal, **kw):
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **kw)
     kernel = FlashFwdSm90(cutlass.BFloat16, cfg, causal)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, *dispatch._fake_args("BFloat16", d), cutlass.Float32(1.0),
-                        cutlass.Int32(1), stream, options="--enable-tvm-ffi")
+    tensors, varlen_args = dispatch._fake_args("BFloat16", d)
+    return cute.compile(kernel, *tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args,
+                        stream, options="--enable-tvm-ffi")
 
 
 def run(compiled, q, k, v, section=None):
@@ -43,7 +44,8 @@ def run(compiled, q, k, v, section=None):
     num_hb = q.shape[0] * q.shape[2]
     sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb), "all": num_hb}.get(
         section, section)
-    compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), sec)
+    compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), sec,
+             None, None, None, None, None)  # batched: no varlen arguments
     return out
 
 

@@ -7,8 +7,8 @@ trace), so attention causes no graph break. The ops take only what the batched k
 validation and the unsupported-option checks have already run in Python (interface.py), which
 guarantees the defaults for every other option.
 
-Varlen calls (no varlen kernels yet: unreachable unless a test lifts the option check) use a
-plain autograd.Function that passes every option through.
+Varlen calls use a plain autograd.Function that passes every option through (cu_seqlens,
+seqused and max_seqlen have no place in the batched ops' schema).
 
 Backward: INTERIM. The fused SM90 backward is a later issue; until it lands, backward recomputes
 attention in fp32 in plain PyTorch (the fused kernel's formulas written out; varlen
@@ -124,6 +124,19 @@ def _fwd_backward(ctx, dout, _dlse):
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
+def varlen_bwd(dout, q, k, v, out, lse, needs, opts):
+    """[dq, dk, dv] of varlen attention (None where ``needs`` is False). opts: dispatch.fwd's
+    keyword arguments (cu_seqlens, seqused, max_seqlen, scale, causal, ...).
+
+    INTERIM: differentiates the fp32 reference, which recomputes out and lse (they are taken
+    for the fused varlen backward that will replace this, with the same signature)."""
+    del out, lse
+    # The reference takes no max_seqlen (it reads cu_seqlens) and dropout_p is always 0.
+    ref_opts = {name: val for name, val in opts.items()
+                if name not in ("dropout_p", "max_seqlen_q", "max_seqlen_k")}
+    return _interim_grads(dout, q, k, v, needs, **ref_opts)
+
+
 class FlashAttnVarlenFunc(torch.autograd.Function):
     """(q, k, v, opts) -> (out, lse), opts being dispatch.fwd's keyword arguments. lse is
     non-differentiable."""
@@ -131,15 +144,12 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, opts):
         out, lse = dispatch.fwd(q, k, v, **opts)
-        ctx.save_for_backward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts = opts
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v = ctx.saved_tensors
-        # The reference takes no max_seqlen (it reads cu_seqlens) and dropout_p is always 0.
-        ref_opts = {name: val for name, val in ctx.opts.items()
-                    if name not in ("dropout_p", "max_seqlen_q", "max_seqlen_k")}
-        return (*_interim_grads(dout, q, k, v, ctx.needs_input_grad[:3], **ref_opts), None)
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*varlen_bwd(dout, q, k, v, out, lse, ctx.needs_input_grad[:3], ctx.opts), None)

@@ -4,8 +4,9 @@ Inputs arrive already validated by ``flash_cute.validation``; this layer only de
 kernels can run and raises ``NotImplementedError`` (naming the option) for what they cannot.
 
 Kernels are compiled against symbolic shapes and strides (fake tensors), so the cache key holds
-only what changes the generated code: arch, dtype, head dim, causal. Batch, sequence lengths,
-head counts and strides are runtime values: a training loop with varying lengths compiles once.
+only what changes the generated code: arch, dtype, head dim, causal, varlen. Batch, sequence
+lengths (and varlen's cu_seqlens, seqused, max_seqlen), head counts and strides are runtime
+values: a training loop with varying lengths compiles once.
 """
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ _cache: dict = {}
 _cache_lock = threading.Lock()
 
 
-def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           varlen=False):
+def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Name of the first option the forward kernels cannot run yet, or None."""
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p} (dropout is not implemented; pass 0.0)"
@@ -37,8 +37,6 @@ def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, 
         return f"softcap={softcap} (softcapping is not implemented yet)"
     if alibi_slopes is not None:
         return "alibi_slopes (ALiBi is not implemented yet)"
-    if varlen:
-        return "flash_attn_varlen_func (the varlen kernels are not implemented yet)"
     return None
 
 
@@ -46,28 +44,40 @@ def compile_cache_size() -> int:
     return len(_cache)
 
 
-def _fake_args(dtype_name: str, d: int):
+def _fake_args(dtype_name: str, d: int, varlen: bool = False):
     """Fake tensors for compilation: symbolic sizes, 64-bit strides divisible by 16 bytes (TMA
-    needs that; validation guarantees it), so no size or stride is baked into the kernel."""
+    needs that; validation guarantees it), so no size or stride is baked into the kernel.
+
+    Returns the kernel's tensor arguments (q, k, v, out, lse) and its five varlen arguments
+    (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q), all None when batched."""
     import cutlass
     import cutlass.cute as cute
 
     dt = getattr(cutlass, dtype_name)
     align = 128 // dt.width
 
-    def qkv(batch, seqlen, heads):
-        stride = tuple(cute.sym_int64(divisibility=align) for _ in range(3)) + (1,)
-        return cute.runtime.make_fake_tensor(dt, (batch, seqlen, heads, d), stride,
-                                             assumed_align=16)
+    def qkv(*rows_heads):  # (batch, seqlen, heads) or varlen (total, heads)
+        stride = tuple(cute.sym_int64(divisibility=align) for _ in rows_heads) + (1,)
+        return cute.runtime.make_fake_tensor(dt, (*rows_heads, d), stride, assumed_align=16)
 
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-    lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
-                                                stride_order=(2, 1, 0), assumed_align=4)
-    return qkv(b, sq, h), qkv(b, sk, hk), qkv(b, sk, hk), qkv(b, sq, h), lse
+    if not varlen:
+        lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
+                                                    stride_order=(2, 1, 0), assumed_align=4)
+        return (qkv(b, sq, h), qkv(b, sk, hk), qkv(b, sk, hk), qkv(b, sq, h), lse), (None,) * 5
+    lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq), stride_order=(1, 0),
+                                                assumed_align=4)
+
+    def int32s():  # cu_seqlens (b + 1,), seqused (b,) or a view cu_seqlens[1:] standing in
+        return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,),
+                                             assumed_align=4)
+
+    return ((qkv(sq, h), qkv(sk, hk), qkv(sk, hk), qkv(sq, h), lse),
+            (int32s(), int32s(), int32s(), int32s(), cutlass.Int32(1)))
 
 
-def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: bool = False,
-                 **cfg_overrides):
+def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
+                 keep_cubin: bool = False, **cfg_overrides):
     """Compile one forward variant as a TVM-FFI function: it takes torch tensors directly and
     launches on torch's current stream, with the argument checks done in C++ (the generic
     Python argument path of the DSL cost ~200 us per call, more than a short kernel)."""
@@ -78,8 +88,9 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, keep_cubin: b
     if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
-    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal)
-    args = (*_fake_args(dtype_name, d), cutlass.Float32(1.0), cutlass.Int32(1))
+    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen)
+    tensors, varlen_args = _fake_args(dtype_name, d, varlen)
+    args = (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args)
     return compile_kernel(kernel, args, keep_cubin)
 
 
@@ -104,27 +115,29 @@ def compile_kernel(fn, args, keep=False):
     return cute.compile(fn, *args, stream, options="--enable-tvm-ffi")
 
 
-def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool):
-    key = ("fwd", arch, dtype_name, d, causal)
+def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False):
+    key = ("fwd", arch, dtype_name, d, causal, varlen)
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = _compile_fwd(arch, dtype_name, d, causal)
+            _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen)
         return _cache[key]
 
 
-def fwd_variants():
-    """Every forward kernel variant the package ships: (dtype, head_dim, causal)."""
-    return [(dt, d, c) for dt in ("BFloat16", "Float16") for d in SUPPORTED_HEAD_DIMS
-            for c in (False, True)]
+def fwd_variants(varlen: bool = False):
+    """Every forward kernel variant the package ships: (dtype, head_dim, causal[, varlen])."""
+    return [(dt, d, c, *((True,) if varlen else ())) for dt in ("BFloat16", "Float16")
+            for d in SUPPORTED_HEAD_DIMS for c in (False, True)]
 
 
 def compile_all_variants(arch: str = DEFAULT_ARCH, variants=None):
-    """Compile (and cache) every kernel variant; returns [(name, seconds)]."""
+    """Compile (and cache) every kernel variant, batched then varlen; returns [(name, s)]."""
     done = []
-    for dt, d, c in variants or fwd_variants():
+    for dt, d, c, *vl in variants or fwd_variants() + fwd_variants(varlen=True):
+        varlen = bool(vl and vl[0])
         t0 = time.perf_counter()
-        get_fwd_kernel(arch, dt, d, c)
-        done.append((f"fwd_sm90_{dt}_d{d}{'_causal' if c else ''}", time.perf_counter() - t0))
+        get_fwd_kernel(arch, dt, d, c, varlen)
+        name = f"fwd_sm90_{dt}_d{d}{'_causal' if c else ''}{'_varlen' if varlen else ''}"
+        done.append((name, time.perf_counter() - t0))
     return done
 
 
@@ -147,9 +160,13 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     Varlen: q (total_q, h, d) with cu_seqlens_* -> out like q, lse fp32 (h, total_q).
     """
     why = unsupported_fwd_option(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, varlen=cu_seqlens_q is not None)
+                                 alibi_slopes=alibi_slopes)
     if why is not None:
         raise NotImplementedError(f"flash_cute forward: unsupported option {why}")
+    if cu_seqlens_q is not None:
+        return _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                           max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+                           causal=causal)
     b, sq, h, d = q.shape
     sk = k.shape[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -163,11 +180,45 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     arch = _device_arch(q.device)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           heads_per_section(sk, d, q.element_size(), b * h))
+           heads_per_section(sk, d, q.element_size(), b * h), None, None, None, None, None)
     return out, lse
 
 
-def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool, **cfg_overrides) -> bytes:
+def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                max_seqlen_k, *, softmax_scale, causal):
+    """Packed sequences: q (total_q, h, d), k/v (total_k, hk, d) -> out, lse (h, total_q).
+
+    Rows of a sequence past seqused_q are not written by the kernel (FlashAttention leaves them
+    uninitialised, out and lse being torch.empty); here they are defined as out 0 and lse -inf,
+    like rows that see no key, at the price of one fill of out and lse when seqused_q is given.
+    """
+    total_q, h, d = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    lse_shape = (h, total_q)
+    if seqused_q is not None or k.shape[0] == 0:
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if total_q == 0 or k.shape[0] == 0:  # nothing to compute, or no keys anywhere (a TMA
+        return out, lse                  # descriptor needs a non-empty K): out 0, lse -inf
+    arch = _device_arch(q.device)
+    kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal), varlen=True)
+    # cu_seqlens[b + 1] >= cu_seqlens[b + 1] - cu_seqlens[b]: as seqused it changes nothing.
+    used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
+    used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
+    # No sequence is longer than all of q: a generous max_seqlen_q costs no empty tiles.
+    grid_rows = min(max_seqlen_q, total_q)
+    kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
+           heads_per_section(max_seqlen_k, d, q.element_size(), batch * h), cu_seqlens_q,
+           cu_seqlens_k, used_q, used_k, grid_rows)
+    return out, lse
+
+
+def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
+              **cfg_overrides) -> bytes:
     """The cubin of one forward variant, for SASS checks. The DSL also writes a copy into the
     working directory (the directory it saw at its first such compile must still exist)."""
-    return _compile_fwd(arch, dtype_name, d, causal, keep_cubin=True, **cfg_overrides).__cubin__
+    return _compile_fwd(arch, dtype_name, d, causal, varlen, keep_cubin=True,
+                        **cfg_overrides).__cubin__

@@ -25,7 +25,7 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
                                    require_cuda=_REQUIRE_CUDA, **options)
     why = dispatch.unsupported_fwd_option(
         dropout_p=opts["dropout_p"], window_size=opts["window_size"], softcap=opts["softcap"],
-        alibi_slopes=opts["alibi_slopes"], varlen=varlen)
+        alibi_slopes=opts["alibi_slopes"])
     if why is not None:
         raise NotImplementedError(f"flash_cute: unsupported option {why}")
     if varlen:
@@ -60,10 +60,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Attention over packed sequences of different lengths.
 
     q (total_q, h, d), k/v (total_k, hk, d); cu_seqlens_* int32 (b + 1,) prefix sums of the
-    lengths; max_seqlen_* Python ints. seqused_* int32 (b,): use only the first N tokens of each
-    sequence. Returns out (total_q, h, d), or (out, softmax_lse fp32 (h, total_q), None).
-    validate_cu_seqlens=True (or FLASH_CUTE_DEBUG=1) also checks the cu_seqlens contents, at
-    the cost of a device sync.
+    lengths; max_seqlen_* Python ints, at least the longest sequence (max_seqlen_q sizes the
+    grid: rows of a longer sequence would be left unwritten). seqused_* int32 (b,): use only the
+    first N tokens of each sequence; query rows past seqused_q come out 0 with lse -inf
+    (FlashAttention leaves them uninitialised). causal is bottom-right aligned per sequence.
+    Returns out (total_q, h, d), or (out, softmax_lse fp32 (h, total_q), None).
+    validate_cu_seqlens=True (or FLASH_CUTE_DEBUG=1) also checks the cu_seqlens and seqused
+    contents and max_seqlen against them, at the cost of a device sync.
     """
     return _run(q, k, v, varlen=True, return_attn_probs=return_attn_probs,
                 deterministic=deterministic, validate_cu_seqlens=validate_cu_seqlens,

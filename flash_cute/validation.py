@@ -146,6 +146,7 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_
         if cu.dim() != 1 or cu.shape[0] < 2:
             raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape "
                              f"{tuple(cu.shape)}")
+        check_contiguous_1d(name, cu)
         check_device(name, cu, q.device, require_cuda=False)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
@@ -156,6 +157,13 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_
         check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     return cu_seqlens_q.shape[0] - 1
+
+
+def check_contiguous_1d(name, t):
+    """The kernels read these index tensors with unit stride."""
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride(0)}; "
+                         "call .contiguous()")
 
 
 def check_cu_seqlens_values(name, cu, total, max_seqlen):
@@ -184,6 +192,7 @@ def check_seqused(name, t, batch, device, cu_seqlens=None, *, validate=False):
         raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
     if tuple(t.shape) != (batch,):
         raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {tuple(t.shape)}")
+    check_contiguous_1d(name, t)
     check_device(name, t, device, require_cuda=False)
     if (validate or _debug_enabled()) and cu_seqlens is not None:
         used = t.tolist()

@@ -383,73 +383,198 @@ def test_no_recompile_across_lengths():
 
 
 # ---------------------------------------------------------------------------------------------
-# Varlen (skipped while flash_attn_varlen_func raises NotImplementedError)
+# Varlen: packed sequences. The kernel reads past a sequence's end (the next sequence's rows),
+# so these check isolation as well as values: poisoned outputs, NaN in unused rows, lengths 0
+# and 1, sequences ending mid-tile.
 # ---------------------------------------------------------------------------------------------
 
-def _varlen_inputs(lens_q, lens_k, h, hk, d, seed=0, grad=False):
-    def cu(lens):
-        return torch.tensor([0] + list(lens), device=DEVICE).cumsum(0).to(torch.int32)
-    q = rand(sum(lens_q), h, d, seed=seed, grad=grad)
-    k = rand(sum(lens_k), hk, d, seed=seed + 1, grad=grad)
-    v = rand(sum(lens_k), hk, d, seed=seed + 2, grad=grad)
-    return q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k)
+def _cu(lens):
+    return torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
 
 
-def _varlen_call(*args, **kw):
-    try:
-        return flash_attn_varlen_func(*args, **kw)
-    except NotImplementedError as e:
-        pytest.skip(f"varlen not implemented yet: {e}")
+def _varlen_inputs(lens_q, lens_k, h, hk, d, dtype=BF16, seed=0, grad=False):
+    """q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k."""
+    q = rand(sum(lens_q), h, d, dtype=dtype, seed=seed, grad=grad)
+    k = rand(sum(lens_k), hk, d, dtype=dtype, seed=seed + 1, grad=grad)
+    v = rand(sum(lens_k), hk, d, dtype=dtype, seed=seed + 2, grad=grad)
+    return q, k, v, _cu(lens_q), _cu(lens_k), max(max(lens_q), 1), max(max(lens_k), 1)
 
 
-def _random_lengths(seed, n):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(2, 500, (n,), generator=g).tolist()
-    lens[seed % n] = 0  # always an empty sequence and a single-token one
-    lens[(seed + 1) % n] = 1
-    return lens
+def varlen_run_and_check(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, seqused_q=None,
+                         seqused_k=None, oracle_qkv=None):
+    """flash_attn_varlen_func vs the oracle (out and lse) on poisoned output memory.
+    oracle_qkv: the inputs the oracle sees, when unused rows of q/k/v hold NaN on purpose."""
+    used = dict(seqused_q=seqused_q, seqused_k=seqused_k)
+    _poison_allocator()
+    out, lse, probs = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                             return_attn_probs=True, **used)
+    assert out.shape == q.shape and out.dtype == q.dtype and probs is None
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "out has non-finite values (rows left unwritten?)"
+    kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **used)
+    qkv = oracle_qkv or (q, k, v)
+    ref, ref_lse = attention_ref(*qkv, **kw)
+    low, low_lse = attention_ref(*qkv, upcast=False, **kw)
+    check_close(out, ref, low, name="out")
+    check_close(lse, ref_lse, low_lse, name="lse")  # -inf exactly where a row sees no key
+    return out, lse
+
+
+# Lengths around the tile edges (64-row warpgroups, 128-row tiles, 80/112/128-key blocks),
+# the degenerate 0 and 1, and one long sequence (many m blocks, most tiles of the others empty).
+EDGE_LENGTHS = [0, 1, 2, 63, 64, 65, 79, 80, 81, 111, 113, 127, 128, 129, 255, 1500]
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_varlen_forward_random_lengths(data):
+    lengths = st.one_of(st.sampled_from(EDGE_LENGTHS), st.integers(0, 400))
+    b = data.draw(st.integers(1, 6), label="batch")
+    lens_q = data.draw(st.lists(lengths, min_size=b, max_size=b), label="lens_q")
+    same = data.draw(st.booleans(), label="lens_k = lens_q")
+    lens_k = lens_q if same else data.draw(st.lists(lengths, min_size=b, max_size=b),
+                                           label="lens_k")
+    h = data.draw(st.sampled_from([1, 2, 4, 6]), label="nheads")
+    hk = data.draw(st.sampled_from([x for x in (1, 2, 3, 6) if h % x == 0]), label="nheads_kv")
+    d = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    causal = data.draw(st.booleans(), label="causal")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    seed = sum(lens_q) + 3 * sum(lens_k)
+    varlen_run_and_check(*_varlen_inputs(lens_q, lens_k, h, hk, d, dtype, seed=seed),
+                         causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen_matches_batched_per_sequence(d, causal):
+    """Each sequence alone through flash_attn_func: same tiles, same key order, so the same
+    numbers up to one rounding (bitwise in practice)."""
+    lens_q, lens_k = [1500, 0, 1, 130, 64, 700, 3], [1500, 5, 0, 260, 64, 1, 129]
+    inputs = _varlen_inputs(lens_q, lens_k, 4, 2, d, seed=d)
+    out, lse = varlen_run_and_check(*inputs, causal=causal)
+    q, k, v, cu_q, cu_k = inputs[:5]
+    for i, (q0, q1, k0, k1) in enumerate(zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(),
+                                             cu_k.tolist()[1:])):
+        if q1 == q0:
+            continue
+        o_b, lse_b, _ = flash_attn_func(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                        causal=causal, return_attn_probs=True)
+        eps = torch.finfo(q.dtype).eps
+        torch.testing.assert_close(out[q0:q1], o_b[0], rtol=eps, atol=eps,
+                                   msg=lambda m: f"sequence {i} out: {m}")
+        torch.testing.assert_close(lse[:, q0:q1], lse_b[0], rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: f"sequence {i} lse: {m}")
+
+
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in oracle would read the NaN rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 192])
+def test_varlen_seqused(d, causal):
+    """Only the first seqused tokens of a sequence count; the rest hold NaN here (say, an
+    uninitialised KV cache) and must not reach any output: keys past seqused_k are masked and
+    their V rows zeroed (P = 0 times NaN would still be NaN). Query rows past seqused_q come
+    out 0 with lse -inf, and the last tile of a sequence must not write the next one's rows
+    (sequence 4 is unused entirely and sits right after a sequence ending mid-tile)."""
+    lens_q, lens_k = [100, 0, 1, 333, 129, 7], [300, 5, 1, 333, 200, 0]
+    used_q, used_k = [50, 0, 1, 333, 0, 7], [100, 0, 0, 200, 129, 0]
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, 4, 2, d, seed=41)
+    clean, dirty = [], []
+    for t, cu, used in ((q, cu_q, used_q), (k, cu_k, used_k), (v, cu_k, used_k)):
+        unused = torch.ones(t.shape[0], dtype=torch.bool, device=DEVICE)
+        for start, n in zip(cu.tolist(), used):
+            unused[start:start + n] = False
+        clean.append(t.masked_fill(unused[:, None, None], 0.0))
+        dirty.append(t.masked_fill(unused[:, None, None], float("nan")))
+    seqused_q, seqused_k = (torch.tensor(u, dtype=torch.int32, device=DEVICE)
+                            for u in (used_q, used_k))
+    out, lse = varlen_run_and_check(*dirty, cu_q, cu_k, max_q, max_k, causal=causal,
+                                    seqused_q=seqused_q, seqused_k=seqused_k, oracle_qkv=clean)
+    for start, n, total in zip(cu_q.tolist(), used_q, lens_q):
+        assert (out[start + n:start + total] == 0).all(), "rows past seqused_q must be 0"
+        assert (lse[:, start + n:start + total] == -math.inf).all()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_sequences_without_keys(causal):
+    """seqlen_k = 0 with seqlen_q > 0: one fully masked block, out exactly 0, lse -inf; a
+    neighbour with keys is unaffected. All keys empty: answered on the host."""
+    lens_q, lens_k = [3, 200, 1, 150], [0, 0, 7, 0]
+    inputs = _varlen_inputs(lens_q, lens_k, 2, 1, 128, seed=5)
+    out, lse = varlen_run_and_check(*inputs, causal=causal)
+    cu_q = inputs[3].tolist()
+    for i in (0, 1, 3):
+        assert (out[cu_q[i]:cu_q[i + 1]] == 0).all()
+        assert (lse[:, cu_q[i]:cu_q[i + 1]] == -math.inf).all()
+    varlen_run_and_check(*_varlen_inputs(lens_q, [0, 0, 0, 0], 2, 1, 128, seed=6),
+                         causal=causal)
+
+
+@pytest.mark.parametrize("h,hk", [(8, 1), (8, 2), (6, 3)], ids=["mqa", "gqa4", "gqa2"])
+def test_varlen_many_sequences_gqa(h, hk):
+    """A larger batch of mixed lengths: most tiles of the grid (sized by the longest sequence)
+    exit at once; GQA maps query heads to their KV head per sequence."""
+    g = torch.Generator().manual_seed(h * 10 + hk)
+    lens_q = torch.randint(0, 300, (24,), generator=g).tolist() + [1100]
+    lens_k = [max(n + int(torch.randint(-50, 50, (1,), generator=g)), 0) for n in lens_q]
+    for causal in (False, True):
+        varlen_run_and_check(*_varlen_inputs(lens_q, lens_k, h, hk, 128, seed=h), causal=causal)
+
+
+def test_varlen_strided_views_and_fp16():
+    """q, k, v as views of one packed (total, 3, h, d) tensor; fp16."""
+    lens = [77, 0, 300, 129]
+    qkv = rand(sum(lens), 3, 4, 64, dtype=torch.float16, seed=8)
+    q, k, v = qkv.unbind(1)
+    assert not q.is_contiguous()
+    cu = _cu(lens)
+    varlen_run_and_check(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+
+
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in does not compile")
+def test_varlen_no_recompile_across_lengths():
+    """cu_seqlens, seqused, max_seqlen and the batch are runtime values: one compile."""
+    size = dispatch.compile_cache_size
+    counts = []
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        b = 1 + seed * 3
+        lens = torch.randint(0, 200 * (seed + 1), (b,), generator=g).tolist()
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens, lens, 4, 2, 128, seed=seed)
+        used = (torch.tensor([n // 2 for n in lens], dtype=torch.int32, device=DEVICE)
+                if seed % 2 else None)
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, seqused_q=used,
+                               seqused_k=used)
+        torch.cuda.synchronize()
+        counts.append(size())
+    assert counts == [counts[0]] * len(counts), f"compile cache grew across lengths: {counts}"
+
+
+def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, seqused_k=None,
+                       seed=43):
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, h, hk, d, seed=seed,
+                                                       grad=True)
+    used = dict(seqused_q=seqused_q, seqused_k=seqused_k)
+    _poison_allocator()
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, **used)
+    dout = rand(*out.shape, seed=seed + 1)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **used)
+    ref = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=True, **kw)
+    low = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=False, **kw)
+    for i in range(3):
+        name = "d" + "qkv"[i]
+        assert torch.isfinite(got[i]).all(), f"{name} has non-finite values"
+        check_close(got[i], ref[i], low[i], name=name)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("seed", range(3))
-def test_varlen_forward(seed, d, causal):
-    lens_q, lens_k = _random_lengths(seed, 6), _random_lengths(seed + 100, 6)
-    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs(lens_q, lens_k, 4, 2, d, seed=seed)
-    _poison_allocator()
-    out, lse, _ = _varlen_call(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
-                               return_attn_probs=True)
-    ref, ref_lse = attention_ref(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    low, low_lse = attention_ref(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                 upcast=False)
-    assert torch.isfinite(out).all()
-    check_close(out, ref, low, name="out")
-    check_close(lse, ref_lse, low_lse, name="lse")
+def test_varlen_grads(d, causal):
+    check_varlen_grads([0, 1, 200, 77, 129], [5, 1, 300, 0, 64], 4, 2, d, causal=causal)
 
 
-def test_varlen_seqused():
-    lens = [100, 0, 1, 333]
-    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs(lens, lens, 2, 2, 128, seed=41)
-    used_q = torch.tensor([50, 0, 1, 333], device=DEVICE, dtype=torch.int32)
-    used_k = torch.tensor([100, 0, 0, 200], device=DEVICE, dtype=torch.int32)
-    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k)
-    _poison_allocator()
-    out, lse, _ = _varlen_call(q, k, v, cu_q, cu_k, mq, mk, seqused_q=used_q, seqused_k=used_k,
-                               return_attn_probs=True)
-    ref, ref_lse = attention_ref(q, k, v, **kw)
-    low, low_lse = attention_ref(q, k, v, upcast=False, **kw)
-    check_close(out, ref, low, name="out")
-    check_close(lse, ref_lse, low_lse, name="lse")
-
-
-def test_varlen_grads():
-    lens_q, lens_k = [0, 1, 200, 77], [5, 1, 300, 0]
-    q, k, v, cu_q, cu_k, mq, mk = _varlen_inputs(lens_q, lens_k, 4, 2, 64, seed=43, grad=True)
-    out = _varlen_call(q, k, v, cu_q, cu_k, mq, mk, causal=True)
-    dout = rand(*out.shape, seed=44)
-    got = torch.autograd.grad(out, (q, k, v), dout)
-    kw = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    ref = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=True, **kw)
-    low = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=False, **kw)
-    for i in range(3):
-        check_close(got[i], ref[i], low[i], name="d" + "qkv"[i])
+def test_varlen_grads_seqused():
+    used_q = torch.tensor([1, 150, 0], dtype=torch.int32, device=DEVICE)
+    used_k = torch.tensor([3, 100, 20], dtype=torch.int32, device=DEVICE)
+    check_varlen_grads([4, 200, 30], [3, 250, 20], 4, 4, 64, causal=True, seqused_q=used_q,
+                       seqused_k=used_k)

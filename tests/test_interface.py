@@ -102,9 +102,7 @@ def test_kvpacked(standin):
     assert kv.grad.shape == kv.shape and torch.isfinite(kv.grad.float()).all()
 
 
-def test_varlen_plumbing(standin, monkeypatch):
-    # The varlen kernels are not there yet; let the support check through to test the wiring.
-    monkeypatch.setattr(dispatch, "unsupported_fwd_option", lambda **kw: None)
+def test_varlen_plumbing(standin):
     lens = [3, 0, 6]
     cu = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
     used = torch.tensor([2, 0, 6], dtype=torch.int32)
@@ -122,6 +120,20 @@ def test_varlen_plumbing(standin, monkeypatch):
     for got, want in zip((q.grad, k.grad, v.grad), ref_grads(q, k, v, dout, **kw)):
         torch.testing.assert_close(got, want.to(BF16), **ONE_BF16_STEP)
     assert (q.grad[2] == 0).all()  # an unused query row gets no gradient
+
+
+def test_varlen_without_keys_or_queries_needs_no_kernel():
+    """No keys at all (a TMA descriptor needs a non-empty K) or no queries: dispatch answers on
+    the host, so the real dispatch.fwd runs here on CPU. Rows that see no key: out 0, lse -inf."""
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 2, 2, 5], [0, 0, 0, 0]))
+    q, kv = rand(5, 4, 64, grad=False), rand(0, 2, 64, grad=False)
+    kw = dict(softmax_scale=0.125, causal=True, max_seqlen_q=3, max_seqlen_k=1)
+    out, lse = dispatch.fwd(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)
+    assert out.shape == q.shape and (out == 0).all()
+    assert lse.shape == (4, 5) and (lse == -float("inf")).all()
+    cu_q = torch.zeros(4, dtype=torch.int32)
+    out, lse = dispatch.fwd(q[:0], q[:, :2], q[:, :2], cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, **kw)
+    assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
 
 
 @pytest.mark.parametrize("needs", ["k", "v", "kv", "qv"])

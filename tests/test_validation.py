@@ -227,6 +227,18 @@ def test_seqused():
     check(q, k, v, seqused_k=too_long, **cu)
     with pytest.raises(ValueError, match=r"seqused_k\[0\] = 4 is outside \[0, 3\]"):
         check(q, k, v, seqused_k=too_long, validate_cu_seqlens=True, **cu)
+    strided = torch.tensor([2, 0, 5, 0], dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="seqused_q must be contiguous, got stride 2"):
+        check(q, k, v, seqused_q=strided, **cu)
+    with pytest.raises(TypeError, match="seqused_k must be a torch.Tensor, got list"):
+        check(q, k, v, seqused_k=[2, 5], **cu)
+
+
+def test_cu_seqlens_contiguous():
+    (q, k, v), cu = varlen_args()
+    strided = torch.stack([cu["cu_seqlens_q"], cu["cu_seqlens_q"]], dim=1)[:, 0]
+    with pytest.raises(ValueError, match="cu_seqlens_q must be contiguous, got stride 2"):
+        check(q, k, v, **dict(cu, cu_seqlens_q=strided))
 
 
 # ---- scalar options
@@ -312,10 +324,10 @@ def test_unsupported_options_named(kw, name, on_cpu):
         flash_cute.flash_attn_func(*batched(), **kw)
 
 
-def test_unsupported_varlen_named(on_cpu):
+def test_varlen_unsupported_options_named(on_cpu):
     (q, k, v), cu = varlen_args()
-    with pytest.raises(NotImplementedError, match="unsupported option flash_attn_varlen_func"):
-        flash_cute.flash_attn_varlen_func(q, k, v, **cu)
+    with pytest.raises(NotImplementedError, match=r"unsupported option window_size=\(4, 0\)"):
+        flash_cute.flash_attn_varlen_func(q, k, v, **cu, window_size=(4, 0))
 
 
 def test_validation_runs_before_support_check(on_cpu):

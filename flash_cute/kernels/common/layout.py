@@ -4,7 +4,11 @@ An SM90 wgmma accumulator fragment of a (64, N) tile has, per thread, the layout
 ((2, 2, N/8), MMA_M, MMA_N): two adjacent columns, two rows eight apart, N/8 column groups.
 Softmax wants rows and columns as two modes; the P @ V wgmma wants the same registers as its
 register-sourced A operand ((2, 2, 2), MMA_M, MMA_K). Both are re-views, no data moves.
+
+Also: small layout helpers shared by the kernels (mode reordering, a 16-byte row copy).
 """
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -58,6 +62,27 @@ def transpose_mn(t: cute.Tensor) -> cute.Tensor:
 def select_modes(t: cute.Tensor, modes) -> cute.Tensor:
     """A view of ``t`` with its modes reordered (e.g. (b, s, h, d) -> (s, d, h, b))."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+VEC_BITS = 128  # one 16-byte access per thread per copy: the widest single load or store
+
+
+def row_copy(dtype, rows: int, cols: int, num_threads: int):
+    """A tiled copy over a row-major (rows, cols) tile, 16 bytes per thread per copy.
+
+    A power-of-two group of threads (at most a warp) walks a row's 16-byte chunks, so each warp
+    touches whole 32-byte sectors; the groups step down the rows. Returns (tiled_copy, threads):
+    only the first ``threads`` threads take part, as many as tile the rows exactly (112 rows at
+    32 rows per pass of 256 threads would not: 128 threads do 16 rows per pass instead).
+    """
+    vec = VEC_BITS // dtype.width
+    chunks = cols // vec
+    per_row = min(chunks & -chunks, 32)
+    rows_per_pass = math.gcd(rows, num_threads // per_row)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=VEC_BITS)
+    thr_layout = cute.make_ordered_layout((rows_per_pass, per_row), order=(1, 0))
+    return (cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec))),
+            rows_per_pass * per_row)
 
 
 @dsl_user_op

@@ -7,9 +7,21 @@ Warp roles (1 + n warpgroups; n = 2 by default, 3 possible with 64-key blocks):
     WG1..WGn consumer  64 query rows each       } S = Q K^T (wgmma, smem x smem)
                                                 } softmax in registers (exp2, quad shuffles)
                                                 } O += P V (wgmma, P from registers)
-                                                } epilogue: O / rowsum -> smem -> TMA store,
+                                                } epilogue: O / rowsum -> smem -> TMA store
+                                                  (varlen: predicated 16-byte stores),
                                                   LSE (natural log) -> global
                        setmaxnreg 240 (n=2) / 160 (n=3).
+
+Varlen (``varlen=True``, one compiled kernel for any lengths): Q/K/V/O are packed
+(total, h, d) and LSE (h, total_q); sequence b is rows [cu_seqlens[b], ...) of length
+min(cu_seqlens[b+1] - cu_seqlens[b], seqused[b]) (common/seqlen.py). The grid covers
+max_seqlen_q; tiles past a shorter sequence's end return at once. The TMA descriptors span the
+packed tensors, so a sequence's last Q/K/V box also reads the next sequence's rows: scores of
+keys past seqlen_k are masked as for a ragged tail, V rows past it are zeroed in shared memory
+(P = 0 there, but 0 * NaN would still poison O, e.g. an uninitialised KV cache past
+seqused_k), and Q rows past seqlen_q are never stored: O leaves through predicated 16-byte
+stores from sO instead of a TMA box that would overwrite the next sequence. A sequence with no
+keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = -inf.
 
 Pipelines (cutlass.pipeline.PipelineTmaAsync: full barrier = 1 producer arrive + TMA bytes,
 empty barrier = one arrive per consumer warp):
@@ -18,7 +30,9 @@ empty barrier = one arrive per consumer warp):
     pipe_k  load -> 4n consumer warps, kv_stages
     pipe_v  load -> 4n consumer warps, kv_stages  (separate from K so QK^T starts before V lands)
 
-Named barriers: EPILOGUE (128n + 32) makes sO visible before warp 4 issues the TMA store;
+Named barriers: EPILOGUE (128n + 32) makes sO visible before warp 4 issues the TMA store
+(varlen: 128n, before the consumers read sO back); V_TAIL (128n, varlen) orders the zeroing of
+the last V block before any warpgroup's P V reads it;
 TURN_WG1/TURN_WG2 (256, n = 2 only, off by default) order the two warpgroups' GEMM issue
 (ping-pong: one warpgroup's softmax runs under the other's GEMMs).
 
@@ -32,6 +46,7 @@ sQ (each warpgroup overwrites only its own, already consumed, Q rows).
     d=192 (tile_n 112): 48K + 84K + 84K = 216 KB      d=256 (tile_n 80): 64K + 80K + 80K = 224 KB
 """
 import enum
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -43,9 +58,10 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...config import FwdSm90Config
 from ..common import block_info, scheduler
-from ..common.layout import (acc_as_mn, acc_as_operand_a, select_modes, store_packed,
+from ..common.layout import (acc_as_mn, acc_as_operand_a, row_copy, select_modes, store_packed,
                              transpose_mn)
 from ..common.mask import apply_mask
+from ..common.seqlen import SeqlenInfo
 from ..common.softmax import OnlineSoftmax, rescale_rows
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -62,30 +78,45 @@ class Barrier(enum.IntEnum):
     EPILOGUE = 1
     TURN_WG1 = 2      # TURN_WG1 + i: consumer warpgroup i may issue its GEMMs
     TURN_WG2 = 3
+    V_TAIL = 4        # varlen: the last V block's tail is zeroed before anyone's P V reads it
 
 
 class FlashFwdSm90:
-    def __init__(self, dtype, cfg: FwdSm90Config, causal: bool):
+    def __init__(self, dtype, cfg: FwdSm90Config, causal: bool, varlen: bool = False):
         self.dtype = dtype
         self.cfg = cfg
         self.causal = causal
+        self.varlen = varlen
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.num_wg = cfg.num_consumer_wg
         if self.num_wg not in REGISTER_SPLIT:
             raise ValueError(f"num_consumer_wg must be one of {sorted(REGISTER_SPLIT)}, "
                              f"got {self.num_wg}")
         self.num_threads = WG_THREADS * (1 + self.num_wg)
+        self.num_consumer_threads = WG_THREADS * self.num_wg
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, scale_log2: Float32, heads_per_section: Int32,
-                 stream: cuda.CUstream):
-        """mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32."""
+                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+                 max_seqlen_q: Optional[Int32], stream: cuda.CUstream):
+        """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the five
+        varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
+        (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_q sizes the grid."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
-        mQ, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mO)]
-        mK, mV = [select_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
-        mLSE = select_modes(mLSE, [2, 1, 0])
+        if const_expr(self.varlen):
+            mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
+            mLSE = select_modes(mLSE, [1, 0])
+            num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            mQ, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mO)]
+            mK, mV = [select_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
+            mLSE = select_modes(mLSE, [2, 1, 0])
+            num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+            num_batch = mQ.shape[3]
         dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.kv_stages
 
         mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -105,8 +136,10 @@ class FlashFwdSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]), (tn, d))
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mV, cute.select(sV_layout, mode=[0, 1]), (tn, d))
-        tma_o, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (tm, d))
+        tma_o, tma_mO = None, mO  # varlen stores O without TMA
+        if const_expr(not self.varlen):
+            tma_o, tma_mO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (tm, d))
         self.q_bytes = cute.size_in_bytes(dt, sQ_layout)
         self.kv_bytes = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1]))
 
@@ -120,11 +153,11 @@ class FlashFwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN]
 
         self.shared_storage = SharedStorage
-        num_m_blocks = cute.ceil_div(mQ.shape[0], tm)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, tma_q, tma_k, tma_v, tma_o,
                     scale_log2, heads_per_section, sQ_layout, sK_layout, sV_layout, mma_qk,
-                    mma_pv).launch(
-            grid=scheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[3]),
+                    mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                    num_m_blocks if const_expr(self.varlen) else None).launch(
+            grid=scheduler.grid_shape(num_m_blocks, mQ.shape[2], num_batch),
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------------------- device
@@ -134,11 +167,15 @@ class FlashFwdSm90:
                tma_v: cute.CopyAtom, tma_o: cute.CopyAtom, scale_log2: Float32,
                heads_per_section: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma):
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+               num_m_blocks_varlen: Optional[Int32]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
-                cpasync.prefetch_descriptor(atom)
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_k, pipe_v = make_tma_pipelines(
@@ -149,34 +186,41 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        m_block, head, batch = scheduler.current_tile(
-            num_m_blocks, mQ.shape[2], mQ.shape[2] * mQ.shape[3], heads_per_section,
-            self.causal and self.cfg.longest_first)
-        n_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
-                                       self.causal)
-
-        if warp_idx // 4 == 0:
-            cute.arch.setmaxregister_decrease(REGISTER_SPLIT[self.num_wg][0])
-            if warp_idx == 0:
-                head_kv = head // (mQ.shape[2] // mK.shape[2])
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                          m_block, head, head_kv, batch, n_max)
+        if const_expr(self.varlen):
+            num_m_blocks, num_batch = num_m_blocks_varlen, mCuSeqlensQ.shape[0] - 1
         else:
-            cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
-            self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k, pipe_v,
-                         scale_log2, m_block, head, batch, n_max, seqlen_q, seqlen_k)
+            num_m_blocks, num_batch = cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[3]
+        m_block, head, batch = scheduler.current_tile(
+            num_m_blocks, mQ.shape[2], mQ.shape[2] * num_batch, heads_per_section,
+            self.causal and self.cfg.longest_first)
+        seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        # Varlen: the grid covers the longest sequence; a shorter one's extra tiles have no rows.
+        # Uniform over the CTA, so every warp leaves together and no pipeline is left waiting.
+        has_rows = True if const_expr(not self.varlen) else m_block * self.tile_m < seq.seqlen_q
+        if has_rows:
+            n_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q,
+                                           seq.seqlen_k, self.causal)
+            if warp_idx // 4 == 0:
+                cute.arch.setmaxregister_decrease(REGISTER_SPLIT[self.num_wg][0])
+                if warp_idx == 0:
+                    head_kv = head // (mQ.shape[2] // mK.shape[2])
+                    self.load(seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
+                              seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k, tma_v,
+                              pipe_q, pipe_k, pipe_v, m_block, n_max)
+            else:
+                cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
+                self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k,
+                             pipe_v, scale_log2, m_block, head, batch, n_max, seq)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
              sK: cute.Tensor, sV: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
-             tma_v: cute.CopyAtom, pipe_q, pipe_k, pipe_v, m_block: Int32, head: Int32,
-             head_kv: Int32, batch: Int32, n_max: Int32):
-        """Producer: K[last], Q, then K[n-1] ahead of V[n], matching the consumers' order."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.d), (None, 0))
+             tma_v: cute.CopyAtom, pipe_q, pipe_k, pipe_v, m_block: Int32, n_max: Int32):
+        """Producer: K[last], Q, then K[n-1] ahead of V[n], matching the consumers' order.
+        mQ, mK, mV: (rows, d) views of this tile's head and sequence."""
+        gQ = cute.local_tile(mQ, (self.tile_m, self.d), (m_block, 0))
+        gK = cute.local_tile(mK, (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(mV, (self.tile_n, self.d), (None, 0))
         tQsQ, tQgQ = tma_split(tma_q, sQ, gQ)
         tKsK, tKgK = tma_split(tma_k, sK, gK)
         tVsV, tVgV = tma_split(tma_v, sV, gV)
@@ -205,10 +249,10 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mO: cute.Tensor,
                 mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                tma_o: cute.CopyAtom, pipe_q, pipe_k, pipe_v, scale_log2: Float32,
-                m_block: Int32, head: Int32, batch: Int32, n_max: Int32, seqlen_q: Int32,
-                seqlen_k: Int32):
+                tma_o: Optional[cute.CopyAtom], pipe_q, pipe_k, pipe_v, scale_log2: Float32,
+                m_block: Int32, head: Int32, batch: Int32, n_max: Int32, seq: SeqlenInfo):
         """Consumer warpgroups: the attention main loop, then the epilogue."""
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_mma_qk = mma_qk.get_slice(wg * WG_THREADS)
@@ -243,6 +287,8 @@ class FlashFwdSm90:
         softmax.step(tSrS, is_first=True)
         self.convert_p(tOrP, tSrS)
         tOrO.fill(0.0)
+        if const_expr(self.varlen):
+            self.zero_v_tail(sV, pipe_v, kv, n_max, seqlen_k, tidx)
 
         # Blocks crossing the causal diagonal, then blocks that need no mask.
         n_unmasked_end = n_max - 1
@@ -263,7 +309,7 @@ class FlashFwdSm90:
         pipe_v.consumer_release(kv)
 
         self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sQ, tma_o, tidx, m_block, head, batch,
-                      seqlen_q)
+                      seq)
 
     @cute.jit
     def mma_block(self, n_block: Int32, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ, tSrK, tOrV,
@@ -295,6 +341,33 @@ class FlashFwdSm90:
         rescale_rows(tOrO, row_scale)
         return kv
 
+    @cute.jit
+    def zero_v_tail(self, sV: cute.Tensor, pipe_v, kv, n_max: Int32, seqlen_k: Int32,
+                    tidx: Int32):
+        """Varlen: zero the rows of the last key block's V that lie past seqlen_k.
+
+        They hold the next sequence's values (or whatever sits past seqused_k, e.g. unused KV
+        cache slots). Their scores are masked, so P is 0 there, but 0 * NaN = NaN in P V.
+        Only this block can be ragged; the other blocks end at or before seqlen_k.
+        """
+        keys = seqlen_k - (n_max - 1) * self.tile_n  # keys of the block inside the sequence
+        if keys < self.tile_n:
+            copy, threads = row_copy(self.dtype, self.tile_n, self.d, self.num_consumer_threads)
+            pipe_v.consumer_wait(kv)  # TMA has landed; the wait before P V then passes at once
+            if tidx < threads:
+                thr = copy.get_slice(tidx)
+                tVsV = thr.partition_D(sV[None, None, kv.index])
+                tVcV = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.d)))
+                zero = cute.make_rmem_tensor_like(tVsV)
+                zero.fill(0.0)
+                for m in cutlass.range_constexpr(cute.size(tVsV, mode=[1])):
+                    if tVcV[0, m, 0][0] >= keys:
+                        cute.copy(copy, zero[None, m, None], tVsV[None, m, None])
+            # Generic-proxy writes, read next by wgmma through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=int(Barrier.V_TAIL),
+                              number_of_threads=self.num_consumer_threads)
+
     def convert_p(self, tOrP, tSrS):
         """P (fp32 scores after softmax) -> the 16-bit A operand of the P V wgmma."""
         if const_expr(self.cfg.packed_p_cvt):
@@ -314,9 +387,12 @@ class FlashFwdSm90:
 
     @cute.jit
     def epilogue(self, mma_pv: cute.TiledMma, tOrO: cute.Tensor, softmax: OnlineSoftmax,
-                 mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom,
-                 tidx: Int32, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32):
-        """O / rowsum -> sO (stmatrix) -> TMA store (clips rows past seqlen_q); LSE -> global."""
+                 mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor,
+                 tma_o: Optional[cute.CopyAtom], tidx: Int32, m_block: Int32, head: Int32,
+                 batch: Int32, seq: SeqlenInfo):
+        """O / rowsum -> sO (stmatrix) -> TMA store (clips rows past seqlen_q; varlen:
+        predicated row stores); LSE -> global."""
+        seqlen_q = seq.seqlen_q
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         rescale_rows(tOrO, softmax.finalize(lse))
         rO = cute.make_rmem_tensor_like(tOrO, self.dtype)
@@ -330,21 +406,49 @@ class FlashFwdSm90:
         # LSE: the thread holding column 0 of a row writes it.
         thr_mma = mma_pv.get_slice(tidx)
         tOcO = acc_as_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
-        gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (m_block,))
+        gLSE = cute.local_tile(seq.q_rows(mLSE, head, batch), (self.tile_m,), (m_block,))
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = tOcO[r, 0][0]
                 if m_block * self.tile_m + row < seqlen_q:
                     gLSE[row] = lse[r]
 
-        # Make the stmatrix writes visible to the TMA (async proxy), then one warp stores.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        store_threads = self.num_wg * WG_THREADS + 32
-        cute.arch.barrier_arrive(barrier_id=int(Barrier.EPILOGUE), number_of_threads=store_threads)
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
-            cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=store_threads)
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d), (m_block, 0))
-            tOsO, tOgO = tma_split(tma_o, sO, gO)
-            cute.copy(tma_o, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(self.varlen):
+            gO = cute.local_tile(seq.q_rows(mO, head, batch), (self.tile_m, self.d),
+                                 (m_block, 0))
+            self.store_rows(sO, gO, seqlen_q - m_block * self.tile_m, tidx)
+        else:
+            # Make the stmatrix writes visible to the TMA (async proxy), then one warp stores.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            store_threads = self.num_consumer_threads + 32
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.EPILOGUE),
+                                     number_of_threads=store_threads)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
+                cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE),
+                                  number_of_threads=store_threads)
+                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d),
+                                     (m_block, 0))
+                tOsO, tOgO = tma_split(tma_o, sO, gO)
+                cute.copy(tma_o, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_rows(self, sO: cute.Tensor, gO: cute.Tensor, rows: Int32, tidx: Int32):
+        """Varlen: the tile's first ``rows`` rows of sO -> gO, 16 bytes per thread per store.
+
+        A TMA box would also write the rows past the sequence, which belong to the next one.
+        """
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE),
+                          number_of_threads=self.num_consumer_threads)  # sO complete
+        copy, threads = row_copy(self.dtype, self.tile_m, self.d, self.num_consumer_threads)
+        if tidx < threads:
+            thr = copy.get_slice(tidx)
+            tOsO = thr.partition_S(sO)
+            tOgO = thr.partition_D(gO)
+            tOcO = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
+            tOrO = cute.make_rmem_tensor_like(tOsO)
+            cute.copy(copy, tOsO, tOrO)
+            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+                if tOcO[0, m, 0][0] < rows:
+                    cute.copy(copy, tOrO[None, m, None], tOgO[None, m, None])
