@@ -1,0 +1,90 @@
+"""Varlen workload (issue 5): 16k tokens packed from seeded log-normal (document-like) lengths,
+d = 128, 16 heads, causal, bf16. Same run, same packed tensors:
+
+    flash_cute  flash_attn_varlen_func
+    fa4         flash_attn.cute.flash_attn_varlen_func
+    sdpa_pad    SDPA (cuDNN backend) on the equivalent padded batch (every sequence padded to
+                the longest; the padding's work is what varlen saves)
+
+TFLOP/s count only the useful work, sum over sequences of 4 * L^2 * h * d / 2 (x 2.5 for the
+backward), for every implementation. Forward, then forward + backward (one training step).
+
+    python bench/varlen_workload.py [--tokens 16384] [--seed 0]
+"""
+import argparse
+
+import torch
+
+from check_fwd import timeit  # bench/ is on sys.path when run as a script
+from flash_cute import flash_attn_varlen_func
+
+H, D = 16, 128
+LOG_MEAN, LOG_STD, MAX_LEN = 6.5, 1.0, 8192   # median ~665 tokens, a long tail
+
+
+def lengths(tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    out, left = [], tokens
+    while left > 0:
+        n = int(torch.empty(1).log_normal_(LOG_MEAN, LOG_STD, generator=g).clamp(1, MAX_LEN))
+        out.append(min(n, left))
+        left -= out[-1]
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    lens = lengths(args.tokens, args.seed)
+    total, b, longest = sum(lens), len(lens), max(lens)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v, dout = (torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    flops = sum(4 * n * n * H * D / 2 for n in lens)
+    print(f"{b} sequences, {total} tokens, longest {longest}, median "
+          f"{sorted(lens)[b // 2]}; useful fwd GFLOP {flops / 1e9:.1f}")
+
+    def step(fwd):
+        def run():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = fwd(*leaves)
+            torch.autograd.grad(out, leaves, dout)
+        return run
+
+    impls = {"flash_cute": lambda q_, k_, v_: flash_attn_varlen_func(
+        q_, k_, v_, cu, cu, longest, longest, causal=True)}
+    try:
+        from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+
+        def fa4(q_, k_, v_):
+            o = fa4_varlen(q_, k_, v_, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                           max_seqlen_k=longest, causal=True)
+            return o[0] if isinstance(o, tuple) else o
+        impls["fa4"] = fa4
+    except ImportError as e:
+        print("fa4 unavailable:", e)
+
+    def sdpa_pad(q_, k_, v_):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        pad = [torch.nn.utils.rnn.pad_sequence(t.split(lens), batch_first=True).transpose(1, 2)
+               for t in (q_, k_, v_)]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(*pad, is_causal=True)
+        o = o.transpose(1, 2)
+        return torch.cat([o[i, :n] for i, n in enumerate(lens)])
+    impls["sdpa_pad"] = sdpa_pad
+
+    for name, fn in impls.items():
+        try:
+            t_f = timeit(lambda: fn(q, k, v), reps=10)
+            t_fb = timeit(step(fn), reps=5)
+            print(f"{name:>10}: fwd {flops / t_f / 1e9:6.0f} TFLOP/s ({t_f:.3f} ms)   "
+                  f"fwd+bwd {3.5 * flops / t_fb / 1e9:6.0f} TFLOP/s ({t_fb:.3f} ms)", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"{name:>10}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
