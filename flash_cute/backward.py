@@ -35,6 +35,7 @@ import torch
 
 from .config import BWD_SUPPORTED_HEAD_DIMS, BwdSm90Config
 from .dispatch import compile_kernel
+from .kernels.common.seqlen import pad_offset
 
 DEFAULT_ARCH = "sm_90a"
 ENV_FLAG = "FLASH_CUTE_FUSED_BWD"
@@ -50,17 +51,15 @@ def fused_bwd_enabled() -> bool:
 
 
 def unsupported_bwd_option(*, head_dim: int, window_size=(-1, -1),
-                           softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                           varlen: bool = False):
-    """Why the fused backward cannot run this call (a string), or None if it can."""
+                           softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0):
+    """Why the fused backward cannot run this call (a string), or None if it can (batched
+    and varlen alike)."""
     if head_dim not in BWD_SUPPORTED_HEAD_DIMS:
         return f"head_dim={head_dim} (fused backward supports {BWD_SUPPORTED_HEAD_DIMS})"
     if tuple(window_size) != (-1, -1) or softcap != 0.0 or alibi_slopes is not None:
         return "window_size/softcap/alibi_slopes (not in the fused backward yet)"
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p}"
-    if varlen:
-        return "varlen (not in the fused backward yet)"
     return None
 
 
@@ -329,4 +328,69 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if gqa:
         post(dk_out, dk, 1.0, None, None, None)
         post(dv_out, dv, 1.0, None, None, None)
+    return dq, dk, dv
+
+
+def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+               softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
+               deterministic: bool = False):
+    """Gradients of varlen attention. Returns ``(dq, dk, dv)`` like q, k, v.
+
+    q, out, dout (total_q, h, d); k, v (total_k, hk, d); lse fp32 (h, total_q) as returned by
+    the varlen forward; cu_seqlens, seqused and max_seqlen as validated for it. Rows past
+    seqused come out 0 (they take no part in the attention). Same three launches as ``bwd``,
+    over the padded per-sequence rows of common/seqlen.py; nothing here reads cu_seqlens on
+    the host (no sync) and no length enters the compile key.
+    """
+    total_q, h, d = q.shape
+    total_k, hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    if d not in BWD_SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"flash_cute fused backward: head_dim={d} is not supported "
+                                  f"(supported: {BWD_SUPPORTED_HEAD_DIMS})")
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if total_q == 0 or total_k == 0 or batch == 0 or h == 0:  # no scores at all: all 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if seqused_k is not None:  # the kernel writes no key row past seqused_k
+        dk.zero_(), dv.zero_()
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        raise NotImplementedError(f"flash_cute fused backward targets sm_90a; this GPU is "
+                                  f"sm_{major}{minor}")
+    cfg = BwdSm90Config.for_head_dim(d)
+    gqa = h != hk
+    pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
+                                               bool(causal), gqa, bool(deterministic),
+                                               varlen=True)
+    q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
+    lse = lse.detach().contiguous()
+    # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.
+    used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
+    used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
+    # No sequence is longer than all of q (k): a generous max_seqlen costs no empty CTAs.
+    grid_q, grid_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
+
+    rows = pad_offset(total_q, batch, cfg.tile_m)  # padded rows of all sequences
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty((h, rows), **f32)
+    dpsum = torch.empty((h, rows), **f32)
+    dq_accum = torch.empty((h, rows, cfg.dq_row), **f32)[..., :d]
+    sem = torch.zeros((h, rows // cfg.tile_m) if deterministic else (1, 1),
+                      dtype=torch.int32, device=q.device)
+    if gqa:
+        alloc = torch.zeros if seqused_k is not None else torch.empty
+        dk_out, dv_out = (alloc((total_k, h, d), **f32) for _ in range(2))
+    else:
+        dk_out, dv_out = dk, dv
+
+    pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q, grid_q)
+    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
+         softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
+         used_k, grid_k)
+    post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q, grid_q)
+    if gqa:  # row for row: the batched form with a batch of 1
+        post(dk_out[None], dk[None], 1.0, None, None, None)
+        post(dv_out[None], dv[None], 1.0, None, None, None)
     return dq, dk, dv
