@@ -59,7 +59,11 @@ def _interim_grads(dout, q, k, v, needs, **ref_opts):
         leaves = [t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), needs)]
         ref, _ = attention_ref(*leaves, upcast=True, **ref_opts)
         wanted = [t for t, n in zip(leaves, needs) if n]
-        computed = iter(torch.autograd.grad(ref, wanted, dout.float()))
+        if not ref.requires_grad:  # no query or no key at all: nothing depends on the inputs
+            computed = iter(torch.zeros_like(t) for t in wanted)
+        else:
+            computed = iter(torch.autograd.grad(ref, wanted, dout.float(),
+                                                materialize_grads=True))
     return [next(computed).contiguous().to(t.dtype) if n else None
             for t, n in zip((q, k, v), needs)]
 
