@@ -10,9 +10,10 @@ guarantees the defaults for every other option.
 Varlen calls use a plain autograd.Function that passes every option through (cu_seqlens,
 seqused and max_seqlen have no place in the batched ops' schema).
 
-Backward: INTERIM. The fused SM90 backward is a later issue; until it lands, backward recomputes
-attention in fp32 in plain PyTorch (the fused kernel's formulas written out; varlen
-differentiates the reference instead). It matches the fp32 oracle's gradients up to fp32
+Backward: the fused SM90 kernels (flash_cute.backward: ``bwd`` batched, ``varlen_bwd`` varlen)
+on an sm_90 GPU for the head dims they cover; otherwise, or with FLASH_CUTE_FUSED_BWD=0, an
+fp32 recompute in plain PyTorch (batched: the fused kernel's formulas written out; varlen: the
+reference differentiated). The recompute matches the fp32 oracle's gradients up to fp32
 rounding, but is unfused: it materialises the (sq, sk) score matrix, O(s^2) memory and slow.
 """
 import torch

@@ -12,6 +12,14 @@ tests/test_gpu.py gradient tests); timings in docs/performance.md.
     3. bwd_post  dq = softmax_scale * dQaccum; GQA: dk, dv = sum over the query heads of a
                  KV head of the per-query-head fp32 dK, dV     kernels/sm90/bwd_post.py
 
+    varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q=..., ..., causal=...) -> (dq, dk, dv)
+
+    The same three launches over packed q/k/v (total, heads, d) and lse (h, total_q): the
+    kernels' ``varlen=True`` variants, the fp32 row arrays in per-sequence padded rows
+    (kernels/common/seqlen.py: ``pad_offset``), the grids sized by max_seqlen; the GQA sums of
+    dK / dV are row for row, so they use the batched bwd_post. Status: compiled and
+    SASS-checked on CPU; bench/check_varlen_bwd.py checks it on the H200.
+
 ``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` when the tensors are on an sm_90 GPU
 and ``unsupported_bwd_option`` returns None (d 64/96/128 today); otherwise, or with
 ``FLASH_CUTE_FUSED_BWD=0``, it runs the fp32 recompute (d 192/256 until their kernels exist).
@@ -21,8 +29,9 @@ cache key holds only code-changing values (arch, dtype, head dim, causal, GQA) a
 length, batch or head count; TVM-FFI entry points take torch tensors and launch on torch's
 current stream.
 
-Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with sq_pad = sq
-rounded up to 64; with GQA also fp32 dK, dV per query head (b, sk, h, d).
+Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with
+sq_pad = sq rounded up to 64 (varlen: (h, rows, ...) with rows = (total_q // 64 + b) * 64);
+with GQA also fp32 dK, dV per query head (b, sk, h, d) (varlen: (total_k, h, d)).
 """
 from __future__ import annotations
 

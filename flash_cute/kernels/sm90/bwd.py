@@ -1,6 +1,7 @@
-"""SM90 (Hopper) attention backward, step 2 of 3: dK, dV per key block, dQ by atomics.
+"""SM90 (Hopper) attention backward, step 2 of 3: dK, dV per key block, dQ by bulk reductions.
 
-STATUS: compiled for sm_90a and SASS-checked on a CPU machine; not yet run on a GPU.
+STATUS: batched: checked on the H200 (bench/check_bwd.py). Varlen (``varlen=True``): compiled
+and SASS-checked on a CPU machine, not yet run on a GPU (bench/check_varlen_bwd.py).
 
 Math (per batch and query head; S = Q K^T unscaled, scale = softmax_scale):
 
@@ -15,8 +16,9 @@ dV += P^T dO and dK += dS^T Q, and dK / dV never leave registers until the epilo
 Ownership: one CTA per (key block of TILE_N = 128 keys, query head, batch); it walks the query
 blocks (tile_m = 64 rows) that can see its keys, so dK and dV are complete at the end of the
 CTA (no reduction for them; GQA writes per query head, bwd_post sums the group). dQ for a query
-block gets a contribution from every key block: each warpgroup adds its partial dS_wg K_wg
-(64 x d) to the fp32 dQaccum with red.global.add (v1; a TMA reduce-add is the next step).
+block gets a contribution from every key block: the mma warpgroups write their dQ partial
+(fp32) to shared memory (sdQ) and the dQ warp adds it to dQaccum with one TMA bulk reduce-add
+per tile (deterministic: in key-block order, behind a semaphore per query block).
 
 Warp roles (3 warpgroups, 384 threads):
 
@@ -25,10 +27,11 @@ Warp roles (3 warpgroups, 384 threads):
     WG1  mma    keys  0..63 of the block  } S^T = K Q^T, dP^T = V dO^T      (SS wgmma)
     WG2  mma    keys 64..127              } P^T, dS^T in registers (exp2 with LSE from smem)
                                           } dV += P^T dO, dK += dS^T Q      (RS wgmma)
-                                          } dS^T -> sdS (stmatrix); dQ_wg = dS_wg K_wg (SS)
-                                          }   in dq_chunk-column pieces, red.add to dQaccum
+                                          } dS^T -> sdS (stmatrix); dQ = dS K (SS, split
+                                          }   per cfg.dq_split) -> sdQ (fp32)
                                           } epilogue: dK * scale, dV -> global (predicated)
                 setmaxnreg 240.
+    WG0  dQ     warp 1: per query block, sdQ -> dQaccum rows with cp.reduce.async.bulk .add.f32.
 
 Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
 empty barrier: one arrive per consumer warp, 8):
@@ -41,14 +44,16 @@ empty barrier: one arrive per consumer warp, 8):
     both. A stage is released only after the dQ wgmma of that query block finished, which
     also covers dV (reads sdO) and dK (reads sQ), issued earlier in the same block.
 
-Named barriers: DS_WG1 / DS_WG2 (128 threads, one per mma warpgroup): this warpgroup's stmatrix
-writes of dS^T are visible (after fence.proxy.async) before its dQ wgmma reads sdS. The
-warpgroups never read each other's dS, so there is no cross-warpgroup barrier in the loop.
+Named barriers (``Barrier``): DS_READY (+ wg: 128 threads, each warpgroup its own dS rows;
+shared dQ tile: 256) makes the stmatrix writes of dS^T visible (after fence.proxy.async) before
+the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY (256 + 32) hand sdQ between the mma warpgroups and
+the dQ warp; TAIL (256, varlen) orders the zeroing of rows past a sequence before any wgmma
+reads them.
 
 Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 
     S^T  | dP^T | [wait 1: S^T]  (mask) P^T = exp2(...) | dV | [wait 1: dP^T] dS^T | sdS, bar |
-    dK | dQ chunk 0 [wait 0] red.add | dQ chunk 1 [wait 0] red.add | release stage
+    dK | [DQ_EMPTY] dQ chunk(s) [wait 0] -> sdQ | [DQ_FULL arrive] | release stage
 
 dP^T runs under the exp2 of P^T and dV under dS; masked blocks (causal diagonal, ragged key
 tail) wait for dP^T before masking so the mask's registers do not collide with in-flight
@@ -60,6 +65,24 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     d=64:  16+16+16+16+16 KB + 1 KB =  81 KB      d=96: 24*4 + 16 + 1 = 113 KB
     d=128: 32+32+32+32+16 KB + 1 KB = 145 KB      (d=192: 48*4+16 = 208 KB would fit, but
                                                     registers do not: see BwdSm90Config)
+    plus sdQ fp32 num_dq_tiles * tile_m * (d + DQ_ROW_PAD): d=64 36 KB, d=96 52 KB (two
+    tiles), d=128 34 KB (one shared tile, with a second sdS buffer: +16 KB).
+
+Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
+(total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (sequence b
+from ``pad_offset``, whole tiles that never overlap the next sequence's). The grid covers
+max_seqlen_k; a CTA whose key block starts at or past its sequence's seqlen_k returns before
+any pipeline wait or named barrier (uniform over the CTA: all 384 threads leave together; the
+mbarriers were only initialised). TMA views start at the sequence's first row but keep the
+packed extent, so the boxes at a sequence's end hold the next sequence's rows (past seqused:
+anything, NaN included). The mma warpgroups zero those rows in shared memory before any wgmma
+reads them: K and V past seqlen_k once per CTA, Q and dO past seqlen_q in the one query block
+where the sequence ends. Then such a query has S = 0, P = exp2(0 - inf) = 0 exactly
+(LSE_log2 = +inf on padding rows), dP = 0 and dS = 0: nothing reaches dK / dV; keys past
+seqlen_k are masked as a ragged tail and their zero K / V rows keep dS = 0 and dQ finite
+(0 * NaN would not be). dK / dV rows past seqlen_k are never stored (the next sequence's);
+dQ tiles are reduced into the sequence's own padded rows, and the deterministic semaphores are
+per padded query tile (h, rows / tile_m).
 
 Registers (per mma thread, fp32 unless noted): dK + dV 2 * 64 * d / 128 (d=128: 128), S^T and
 dP^T 2 * 32, P^T and dS^T 2-byte 16 + 16, dQ chunk 32: an estimated ~210 live at d=128 of the
