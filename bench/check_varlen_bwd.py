@@ -55,11 +55,13 @@ def case(i, d, causal, h=4, hk=2, dtype=BF16, kind="oracle"):
 def cases():
     out = [case(i, 128, c) for i in range(len(LENGTHS)) for c in (False, True)]
     out += [case(i, d, c) for d in (64, 96) for i in (0, 3, 4, 6) for c in (False, True)]
-    out += [case(3, 128, True, h=4, hk=4), case(6, 128, False, h=6, hk=6),
+    # Few new compiled variants beyond these (the whole run must stay under 3 minutes):
+    # non-GQA, MQA in fp16, deterministic, batched for the per-sequence comparison.
+    out += [case(3, 128, True, h=4, hk=4), case(6, 128, True, h=6, hk=6),
             case(4, 64, True, h=6, hk=1, dtype=FP16), case(6, 64, True, dtype=FP16)]
-    out += [case(4, 128, True, kind="deterministic"), case(6, 64, False, kind="deterministic"),
-            case(4, 128, True, kind="per-sequence"), case(4, 96, False, kind="per-sequence"),
-            case(6, 128, True, kind="autograd"), case(4, 128, True, kind="no-recompile")]
+    out += [case(4, 128, True, kind="deterministic"), case(6, 128, True, kind="deterministic"),
+            case(4, 128, True, kind="per-sequence"), case(6, 128, True, kind="autograd"),
+            case(4, 128, True, kind="no-recompile")]
     return out
 
 
