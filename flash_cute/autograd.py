@@ -10,9 +10,10 @@ guarantees the defaults for every other option.
 Varlen calls use a plain autograd.Function that passes every option through (cu_seqlens,
 seqused and max_seqlen have no place in the batched ops' schema).
 
-Backward: INTERIM. The fused SM90 backward is a later issue; until it lands, backward recomputes
-attention in fp32 in plain PyTorch (the fused kernel's formulas written out; varlen
-differentiates the reference instead). It matches the fp32 oracle's gradients up to fp32
+Backward: the fused SM90 kernels (flash_cute.backward: ``bwd`` batched, ``varlen_bwd`` varlen)
+on an sm_90 GPU for the head dims they cover; otherwise, or with FLASH_CUTE_FUSED_BWD=0, an
+fp32 recompute in plain PyTorch (batched: the fused kernel's formulas written out; varlen: the
+reference differentiated). The recompute matches the fp32 oracle's gradients up to fp32
 rounding, but is unfused: it materialises the (sq, sk) score matrix, O(s^2) memory and slow.
 """
 import torch
@@ -59,7 +60,11 @@ def _interim_grads(dout, q, k, v, needs, **ref_opts):
         leaves = [t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), needs)]
         ref, _ = attention_ref(*leaves, upcast=True, **ref_opts)
         wanted = [t for t, n in zip(leaves, needs) if n]
-        computed = iter(torch.autograd.grad(ref, wanted, dout.float()))
+        if not ref.requires_grad:  # no query or no key at all: nothing depends on the inputs
+            computed = iter(torch.zeros_like(t) for t in wanted)
+        else:
+            computed = iter(torch.autograd.grad(ref, wanted, dout.float(),
+                                                materialize_grads=True))
     return [next(computed).contiguous().to(t.dtype) if n else None
             for t, n in zip((q, k, v), needs)]
 
@@ -90,9 +95,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
 def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
     # Fused kernels on sm_90 for the head dims they cover; otherwise (or FLASH_CUTE_FUSED_BWD=0)
     # the fp32 recompute, which takes any dout layout (it copies to fp32).
-    if (backward.fused_bwd_enabled() and q.is_cuda
-            and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and backward.unsupported_bwd_option(head_dim=q.shape[-1]) is None):
+    if _fused_bwd_applies(q):
         return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                             causal=causal, deterministic=deterministic)
     return _interim_bwd(dout, q, k, v, softmax_scale, causal)
@@ -124,13 +127,29 @@ def _fwd_backward(ctx, dout, _dlse):
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-def varlen_bwd(dout, q, k, v, out, lse, needs, opts):
+def _fused_bwd_applies(q, **options) -> bool:
+    """The fused SM90 backward runs this call: enabled, an sm_90 tensor, supported options."""
+    return (backward.fused_bwd_enabled() and q.is_cuda
+            and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and backward.unsupported_bwd_option(head_dim=q.shape[-1], **options) is None)
+
+
+def varlen_bwd(dout, q, k, v, out, lse, needs, opts, deterministic=False):
     """[dq, dk, dv] of varlen attention (None where ``needs`` is False). opts: dispatch.fwd's
     keyword arguments (cu_seqlens, seqused, max_seqlen, scale, causal, ...).
 
-    INTERIM: differentiates the fp32 reference, which recomputes out and lse (they are taken
-    for the fused varlen backward that will replace this, with the same signature)."""
-    del out, lse
+    The fused kernels (backward.varlen_bwd) where they apply; otherwise the gradients of the
+    fp32 reference (which recomputes out and lse; slow, O(s^2) memory)."""
+    options = {name: opts[name] for name in ("window_size", "softcap", "alibi_slopes",
+                                             "dropout_p")}
+    if _fused_bwd_applies(q, **options):
+        grads = backward.varlen_bwd(
+            dout, q, k, v, out, lse, cu_seqlens_q=opts["cu_seqlens_q"],
+            cu_seqlens_k=opts["cu_seqlens_k"], max_seqlen_q=opts["max_seqlen_q"],
+            max_seqlen_k=opts["max_seqlen_k"], softmax_scale=opts["softmax_scale"],
+            causal=opts["causal"], seqused_q=opts["seqused_q"], seqused_k=opts["seqused_k"],
+            deterministic=deterministic)
+        return [g if n else None for g, n in zip(grads, needs)]
     # The reference takes no max_seqlen (it reads cu_seqlens) and dropout_p is always 0.
     ref_opts = {name: val for name, val in opts.items()
                 if name not in ("dropout_p", "max_seqlen_q", "max_seqlen_k")}
@@ -138,18 +157,20 @@ def varlen_bwd(dout, q, k, v, out, lse, needs, opts):
 
 
 class FlashAttnVarlenFunc(torch.autograd.Function):
-    """(q, k, v, opts) -> (out, lse), opts being dispatch.fwd's keyword arguments. lse is
-    non-differentiable."""
+    """(q, k, v, opts, deterministic) -> (out, lse), opts being dispatch.fwd's keyword
+    arguments; deterministic reaches only the backward. lse is non-differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, opts):
+    def forward(ctx, q, k, v, opts, deterministic=False):
         out, lse = dispatch.fwd(q, k, v, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = opts
+        ctx.opts, ctx.deterministic = opts, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*varlen_bwd(dout, q, k, v, out, lse, ctx.needs_input_grad[:3], ctx.opts), None)
+        grads = varlen_bwd(dout, q, k, v, out, lse, ctx.needs_input_grad[:3], ctx.opts,
+                           ctx.deterministic)
+        return (*grads, None, None)

@@ -12,6 +12,14 @@ tests/test_gpu.py gradient tests); timings in docs/performance.md.
     3. bwd_post  dq = softmax_scale * dQaccum; GQA: dk, dv = sum over the query heads of a
                  KV head of the per-query-head fp32 dK, dV     kernels/sm90/bwd_post.py
 
+    varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q=..., ..., causal=...) -> (dq, dk, dv)
+
+    The same three launches over packed q/k/v (total, heads, d) and lse (h, total_q): the
+    kernels' ``varlen=True`` variants, the fp32 row arrays in per-sequence padded rows
+    (kernels/common/seqlen.py: ``pad_offset``), the grids sized by max_seqlen; the GQA sums of
+    dK / dV are row for row, so they use the batched bwd_post. Status: compiled and
+    SASS-checked on CPU; bench/check_varlen_bwd.py checks it on the H200.
+
 ``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` when the tensors are on an sm_90 GPU
 and ``unsupported_bwd_option`` returns None (d 64/96/128 today); otherwise, or with
 ``FLASH_CUTE_FUSED_BWD=0``, it runs the fp32 recompute (d 192/256 until their kernels exist).
@@ -21,8 +29,9 @@ cache key holds only code-changing values (arch, dtype, head dim, causal, GQA) a
 length, batch or head count; TVM-FFI entry points take torch tensors and launch on torch's
 current stream.
 
-Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with sq_pad = sq
-rounded up to 64; with GQA also fp32 dK, dV per query head (b, sk, h, d).
+Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with
+sq_pad = sq rounded up to 64 (varlen: (h, rows, ...) with rows = (total_q // 64 + b) * 64);
+with GQA also fp32 dK, dV per query head (b, sk, h, d) (varlen: (total_k, h, d)).
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ import torch
 
 from .config import BWD_SUPPORTED_HEAD_DIMS, BwdSm90Config
 from .dispatch import compile_kernel
+from .kernels.common.seqlen import pad_offset
 
 DEFAULT_ARCH = "sm_90a"
 ENV_FLAG = "FLASH_CUTE_FUSED_BWD"
@@ -50,17 +60,15 @@ def fused_bwd_enabled() -> bool:
 
 
 def unsupported_bwd_option(*, head_dim: int, window_size=(-1, -1),
-                           softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
-                           varlen: bool = False):
-    """Why the fused backward cannot run this call (a string), or None if it can."""
+                           softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0):
+    """Why the fused backward cannot run this call (a string), or None if it can (batched
+    and varlen alike)."""
     if head_dim not in BWD_SUPPORTED_HEAD_DIMS:
         return f"head_dim={head_dim} (fused backward supports {BWD_SUPPORTED_HEAD_DIMS})"
     if tuple(window_size) != (-1, -1) or softcap != 0.0 or alibi_slopes is not None:
         return "window_size/softcap/alibi_slopes (not in the fused backward yet)"
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p}"
-    if varlen:
-        return "varlen (not in the fused backward yet)"
     return None
 
 
@@ -75,12 +83,14 @@ def _check_arch(arch: str):
 
 
 def _fake_qkv(dt, d, batch, seqlen, heads):
-    """(b, s, h, d) with symbolic 64-bit strides divisible by 16 bytes (TMA needs that)."""
+    """(b, s, h, d), or varlen (batch None) (total, h, d), with symbolic 64-bit strides
+    divisible by 16 bytes (TMA needs that)."""
     import cutlass.cute as cute
 
     align = 128 // dt.width
-    stride = tuple(cute.sym_int64(divisibility=align) for _ in range(3)) + (1,)
-    return cute.runtime.make_fake_tensor(dt, (batch, seqlen, heads, d), stride, assumed_align=16)
+    shape = (seqlen, heads, d) if batch is None else (batch, seqlen, heads, d)
+    stride = tuple(cute.sym_int64(divisibility=align) for _ in shape[:-1]) + (1,)
+    return cute.runtime.make_fake_tensor(dt, shape, stride, assumed_align=16)
 
 
 def _fake_padded_rows(batch, heads, sq_pad):
@@ -104,7 +114,30 @@ def _fake_dq_accum(batch, heads, sq_pad, cfg):
                                          stride, assumed_align=16)
 
 
-def _compile_pre(arch, dtype_name, d, keep_cubin=False):
+def _fake_int32s():
+    """cu_seqlens (b + 1,), seqused (b,), or a view cu_seqlens[1:] standing in for seqused."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
+
+
+def _fake_varlen_rows(cfg):
+    """Varlen padded rows: LSE_log2 / D fp32 (h, rows) and the dQaccum view (h, rows, d) of an
+    (h, rows, cfg.dq_row) buffer; rows a multiple of tile_m (common/seqlen.py)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    h, rows = cute.sym_int(), cute.sym_int(divisibility=cfg.tile_m)
+    row_arrays = [cute.runtime.make_fake_compact_tensor(
+        cutlass.Float32, (h, rows), stride_order=(1, 0), assumed_align=16) for _ in range(2)]
+    acc = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (h, rows, cfg.head_dim),
+        (cute.sym_int64(divisibility=cfg.tile_m * cfg.dq_row), cfg.dq_row, 1), assumed_align=16)
+    return (*row_arrays, acc)
+
+
+def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -114,17 +147,23 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False):
     dt = getattr(cutlass, dtype_name)
     cfg = BwdSm90Config.for_head_dim(d)
     b, sq, h = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    sq_pad = cute.sym_int(divisibility=cfg.tile_m)
-    lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
-                                                stride_order=(2, 1, 0), assumed_align=4)
-    args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
-            _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
-            _fake_dq_accum(b, h, sq_pad, cfg))
-    return compile_kernel(FlashBwdPreSm90(dt, d), args, keep_cubin)
+    if varlen:
+        lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq),
+                                                    stride_order=(1, 0), assumed_align=4)
+        args = (_fake_qkv(dt, d, None, sq, h), _fake_qkv(dt, d, None, sq, h), lse,
+                *_fake_varlen_rows(cfg), _fake_int32s(), _fake_int32s(), cutlass.Int32(1))
+    else:
+        sq_pad = cute.sym_int(divisibility=cfg.tile_m)
+        lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
+                                                    stride_order=(2, 1, 0), assumed_align=4)
+        args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
+                _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
+                _fake_dq_accum(b, h, sq_pad, cfg), None, None, None)
+    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m), args, keep_cubin)
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
-                  **cfg_overrides):
+                  varlen=False, **cfg_overrides):
     import cutlass
     import cutlass.cute as cute
 
@@ -135,22 +174,31 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
     dkv_dt = cutlass.Float32 if gqa else dt
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
-    sq_pad = cute.sym_int(divisibility=cfg.tile_m)
     dkv_heads = h if gqa else hk
+    if varlen:
+        b = None
+        rows = _fake_varlen_rows(cfg)
+        sem_shape = (cute.sym_int(), cute.sym_int())
+        varlen_args = (*(_fake_int32s() for _ in range(4)), cutlass.Int32(1))
+    else:
+        sq_pad = cute.sym_int(divisibility=cfg.tile_m)
+        rows = (_fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
+                _fake_dq_accum(b, h, sq_pad, cfg))
+        sem_shape = (cute.sym_int(), cute.sym_int(), cute.sym_int())
+        varlen_args = (None,) * 5
     args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sk, hk), _fake_qkv(dt, d, b, sk, hk),
-            _fake_qkv(dt, d, b, sq, h), _fake_padded_rows(b, h, sq_pad),
-            _fake_padded_rows(b, h, sq_pad), _fake_dq_accum(b, h, sq_pad, cfg),
+            _fake_qkv(dt, d, b, sq, h), *rows,
             _fake_qkv(dkv_dt, d, b, sk, dkv_heads), _fake_qkv(dkv_dt, d, b, sk, dkv_heads),
-            # Its own sizes: a (1, 1, 1) stub when not deterministic.
+            # Its own sizes: a (1, 1[, 1]) stub when not deterministic.
             cute.runtime.make_fake_compact_tensor(
-                cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
-                stride_order=(2, 1, 0), assumed_align=4),
-            cutlass.Float32(1.0), cutlass.Float32(1.0))
-    return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt, deterministic), args,
+                cutlass.Int32, sem_shape, stride_order=tuple(range(len(sem_shape)))[::-1],
+                assumed_align=4),
+            cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args)
+    return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 
 
-def _compile_post(arch, dtype_name, d, keep_cubin=False):
+def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -158,12 +206,20 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False):
 
     _check_arch(arch)
     dt = getattr(cutlass, dtype_name)
-    acc_stride = tuple(cute.sym_int64(divisibility=4) for _ in range(3)) + (1,)
+    rank = 3 if varlen else 4
+    acc_stride = tuple(cute.sym_int64(divisibility=4) for _ in range(rank - 1)) + (1,)
     acc = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int(), d), acc_stride,
+        cutlass.Float32, tuple(cute.sym_int() for _ in range(rank - 1)) + (d,), acc_stride,
         assumed_align=16)
-    out = _fake_qkv(dt, d, cute.sym_int(), cute.sym_int(), cute.sym_int())
-    return compile_kernel(FlashBwdPostSm90(dt, d), (acc, out, cutlass.Float32(1.0)), keep_cubin)
+    if varlen:
+        out = _fake_qkv(dt, d, None, cute.sym_int(), cute.sym_int())
+        varlen_args = (_fake_int32s(), _fake_int32s(), cutlass.Int32(1))
+    else:
+        out = _fake_qkv(dt, d, cute.sym_int(), cute.sym_int(), cute.sym_int())
+        varlen_args = (None,) * 3
+    tile_m = BwdSm90Config.for_head_dim(d).tile_m
+    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m),
+                          (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
 def _get(key, build):
@@ -174,41 +230,49 @@ def _get(key, build):
 
 
 def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
-                    deterministic: bool = False):
-    """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across the flags."""
-    pre = _get(("bwd_pre", arch, dtype_name, d), lambda: _compile_pre(arch, dtype_name, d))
-    main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic),
+                    deterministic: bool = False, varlen: bool = False):
+    """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across the flags.
+    Varlen: (pre, main, post for dq, batched post for the GQA dK/dV sums)."""
+    pre = _get(("bwd_pre", arch, dtype_name, d, varlen),
+               lambda: _compile_pre(arch, dtype_name, d, varlen=varlen))
+    main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
-                                      deterministic=deterministic))
-    post = _get(("bwd_post", arch, dtype_name, d), lambda: _compile_post(arch, dtype_name, d))
-    return pre, main, post
+                                      deterministic=deterministic, varlen=varlen))
+    post = _get(("bwd_post", arch, dtype_name, d, False),
+                lambda: _compile_post(arch, dtype_name, d))
+    if not varlen:
+        return pre, main, post
+    post_dq = _get(("bwd_post", arch, dtype_name, d, True),
+                   lambda: _compile_post(arch, dtype_name, d, varlen=True))
+    return pre, main, post_dq, post
 
 
-def bwd_variants(deterministic=(False, True)):
-    """Every backward main-kernel variant: (dtype, head_dim, causal, gqa, deterministic)."""
-    return [(dt, d, c, g, det) for dt in ("BFloat16", "Float16")
+def bwd_variants(deterministic=(False, True), varlen: bool = False):
+    """Every backward main-kernel variant: (dtype, head_dim, causal, gqa, deterministic[,
+    varlen])."""
+    return [(dt, d, c, g, det, *((True,) if varlen else ())) for dt in ("BFloat16", "Float16")
             for d in BWD_SUPPORTED_HEAD_DIMS for c in (False, True) for g in (False, True)
             for det in deterministic]
 
 
 def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False,
-              deterministic: bool = False, kernel: str = "main") -> bytes:
+              deterministic: bool = False, kernel: str = "main", varlen: bool = False) -> bytes:
     """The cubin of one backward kernel ("pre", "main" or "post"), for SASS checks."""
     if kernel == "pre":
-        compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True)
+        compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen)
     elif kernel == "post":
-        compiled = _compile_post(arch, dtype_name, d, keep_cubin=True)
+        compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen)
     else:
         compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic, varlen=varlen)
     return compiled.__cubin__
 
 
 def bwd_ptx(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False,
-            deterministic: bool = False) -> str:
+            deterministic: bool = False, varlen: bool = False) -> str:
     """The PTX of one main-kernel variant, for ptxas checks (register use, C7512)."""
     return _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin="ptx",
-                         deterministic=deterministic).__ptx__
+                         deterministic=deterministic, varlen=varlen).__ptx__
 
 
 # -------------------------------------------------------------------------------- launch
@@ -266,11 +330,76 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         dk_out, dv_out = dk, dv
 
-    pre(out, dout, lse, lse_log2, dpsum, dq_accum)
+    pre(out, dout, lse, lse_log2, dpsum, dq_accum, None, None, None)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
-         softmax_scale * math.log2(math.e), softmax_scale)
-    post(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale)
+         softmax_scale * math.log2(math.e), softmax_scale, None, None, None, None, None)
+    post(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, None, None, None)
     if gqa:
-        post(dk_out, dk, 1.0)
-        post(dv_out, dv, 1.0)
+        post(dk_out, dk, 1.0, None, None, None)
+        post(dv_out, dv, 1.0, None, None, None)
+    return dq, dk, dv
+
+
+def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+               softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
+               deterministic: bool = False):
+    """Gradients of varlen attention. Returns ``(dq, dk, dv)`` like q, k, v.
+
+    q, out, dout (total_q, h, d); k, v (total_k, hk, d); lse fp32 (h, total_q) as returned by
+    the varlen forward; cu_seqlens, seqused and max_seqlen as validated for it. Rows past
+    seqused come out 0 (they take no part in the attention). Same three launches as ``bwd``,
+    over the padded per-sequence rows of common/seqlen.py; nothing here reads cu_seqlens on
+    the host (no sync) and no length enters the compile key.
+    """
+    total_q, h, d = q.shape
+    total_k, hk = k.shape[0], k.shape[1]
+    batch = cu_seqlens_q.shape[0] - 1
+    if d not in BWD_SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"flash_cute fused backward: head_dim={d} is not supported "
+                                  f"(supported: {BWD_SUPPORTED_HEAD_DIMS})")
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if total_q == 0 or total_k == 0 or batch == 0 or h == 0:  # no scores at all: all 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if seqused_k is not None:  # the kernel writes no key row past seqused_k
+        dk.zero_(), dv.zero_()
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        raise NotImplementedError(f"flash_cute fused backward targets sm_90a; this GPU is "
+                                  f"sm_{major}{minor}")
+    cfg = BwdSm90Config.for_head_dim(d)
+    gqa = h != hk
+    pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
+                                               bool(causal), gqa, bool(deterministic),
+                                               varlen=True)
+    q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
+    lse = lse.detach().contiguous()
+    # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.
+    used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
+    used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
+    # No sequence is longer than all of q (k): a generous max_seqlen costs no empty CTAs.
+    grid_q, grid_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
+
+    rows = pad_offset(total_q, batch, cfg.tile_m)  # padded rows of all sequences
+    f32 = dict(dtype=torch.float32, device=q.device)
+    lse_log2 = torch.empty((h, rows), **f32)
+    dpsum = torch.empty((h, rows), **f32)
+    dq_accum = torch.empty((h, rows, cfg.dq_row), **f32)[..., :d]
+    sem = torch.zeros((h, rows // cfg.tile_m) if deterministic else (1, 1),
+                      dtype=torch.int32, device=q.device)
+    if gqa:
+        alloc = torch.zeros if seqused_k is not None else torch.empty
+        dk_out, dv_out = (alloc((total_k, h, d), **f32) for _ in range(2))
+    else:
+        dk_out, dv_out = dk, dv
+
+    pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q, grid_q)
+    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
+         softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
+         used_k, grid_k)
+    post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q, grid_q)
+    if gqa:  # row for row: the batched form with a batch of 1
+        post(dk_out[None], dk[None], 1.0, None, None, None)
+        post(dv_out[None], dv[None], 1.0, None, None, None)
     return dq, dk, dv

@@ -29,7 +29,7 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
     if why is not None:
         raise NotImplementedError(f"flash_cute: unsupported option {why}")
     if varlen:
-        out, lse = FlashAttnVarlenFunc.apply(q, k, v, opts)
+        out, lse = FlashAttnVarlenFunc.apply(q, k, v, opts, deterministic)
     else:
         # The check above leaves every other option at its default, so the op needs only these.
         out, lse = torch.ops.flash_cute.fwd(q, k, v, opts["softmax_scale"], opts["causal"],

@@ -4,15 +4,20 @@ empty rows, D = rowsum(dO o O)) reproduces the oracle's gradients in a float64 e
 
 The kernels themselves need an H200: bench/check_bwd.py runs them against the oracle.
 """
+import functools
 import math
 import os
 import subprocess
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flash_cute import backward
+from flash_cute.config import BwdSm90Config
 from flash_cute.kernels.common import block_info
+from flash_cute.kernels.common.seqlen import pad_offset
 from flash_cute.reference import attention_ref
 
 from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_opcodes
@@ -26,11 +31,13 @@ def _arch():
 VARIANTS = [v for v in backward.bwd_variants() if not v[-1] or v[0] == "BFloat16"]
 
 
-@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", VARIANTS, ids=lambda v: str(v))
-def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # KeepCUBIN drops a file into the cwd
-    ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic),
-                       tmp_path)
+@functools.lru_cache(maxsize=None)
+def main_cubin(dtype, d, causal, gqa, deterministic, varlen=False):
+    """Each variant compiled once per session (the varlen tests compare with the batched)."""
+    return backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, varlen=varlen)
+
+
+def check_main_sass(ops):
     assert ops.get("HGMMA", 0) > 0, "no HGMMA: the kernel is off the wgmma path"
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
     assert ops.get("UTMALDG", 0) > 0, "no TMA loads"
@@ -38,25 +45,47 @@ def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monke
     assert_wgmma_not_serialized(ops)
 
 
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", VARIANTS, ids=lambda v: str(v))
+def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # KeepCUBIN drops a file into the cwd
+    check_main_sass(sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic), tmp_path))
+
+
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", VARIANTS, ids=lambda v: str(v))
+def test_bwd_main_varlen_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monkeypatch):
+    """Varlen: the same main loop (as many HGMMA as batched, still not serialized), plus the
+    shared-memory zeroing of the rows past a sequence (STS)."""
+    monkeypatch.chdir(tmp_path)
+    ops = sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic, True), tmp_path)
+    check_main_sass(ops)
+    batched = sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic), tmp_path)
+    assert ops["HGMMA"] == batched["HGMMA"], (ops["HGMMA"], batched["HGMMA"])
+    assert ops.get("STS", 0) > batched.get("STS", 0), "no tail zeroing in shared memory"
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 @pytest.mark.parametrize("kernel", ["pre", "post"])
 @pytest.mark.parametrize("dtype", ["BFloat16", "Float16"])
 @pytest.mark.parametrize("d", [64, 96, 128])
-def test_bwd_pre_post_compile(kernel, dtype, d, tmp_path, monkeypatch):
+def test_bwd_pre_post_compile(kernel, dtype, d, varlen, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, kernel=kernel), tmp_path)
+    ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, kernel=kernel, varlen=varlen),
+                       tmp_path)
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
     assert ops.get("LDG", 0) > 0 and ops.get("STG", 0) > 0
 
 
-@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
-def test_bwd_ptxas_report(d, causal, tmp_path, monkeypatch):
+@pytest.mark.parametrize("d,causal,gqa,varlen", [(128, True, False, False),
+                                                 (64, False, False, False),
+                                                 (128, True, True, True)])
+def test_bwd_ptxas_report(d, causal, gqa, varlen, tmp_path, monkeypatch):
     """ptxas itself: no spills and no C7512 (wgmma serialized for lack of registers)."""
     ptxas = "/usr/local/bin/ptxas"
     if not os.path.exists(ptxas):
         pytest.skip("ptxas not installed")
     monkeypatch.chdir(tmp_path)
     ptx = tmp_path / "k.ptx"
-    ptx.write_text(backward.bwd_ptx(ARCH, "BFloat16", d, causal))
+    ptx.write_text(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa, varlen=varlen))
     res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.o")],
                          capture_output=True, text=True, check=True)
     report = res.stdout + res.stderr
@@ -70,12 +99,20 @@ def test_bwd_cache_key_ignores_lengths():
     backward.get_bwd_kernels(ARCH, "BFloat16", 64, False, False)
     backward.get_bwd_kernels(ARCH, "BFloat16", 64, False, False)
     assert backward.compile_cache_size() <= before + 3  # pre, main, post once each
+    backward.get_bwd_kernels(ARCH, "BFloat16", 64, False, False, varlen=True)
+    backward.get_bwd_kernels(ARCH, "BFloat16", 64, False, False, varlen=True)
+    assert backward.compile_cache_size() <= before + 6  # + varlen pre, main, post (dq)
 
 
 def test_bwd_host_rejects():
     q = torch.zeros(1, 4, 2, 256)
     with pytest.raises(NotImplementedError, match="head_dim"):
         backward.bwd(q, q, q, q, q, torch.zeros(1, 2, 4), softmax_scale=0.0625, causal=False)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        backward.varlen_bwd(q[0], q[0], q[0], q[0], q[0], torch.zeros(2, 4), cu_seqlens_q=cu,
+                            cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4,
+                            softmax_scale=0.0625, causal=False)
     assert backward.unsupported_bwd_option(head_dim=128) is None
     assert "head_dim" in backward.unsupported_bwd_option(head_dim=192)
 
@@ -170,3 +207,21 @@ def test_bwd_plan_matches_oracle(sq, sk, h, hk, causal):
     for name, g_, r in zip("qkv", got, ref):
         # the oracle computes in fp32 (upcast=True), so fp32-level agreement is the target
         assert torch.allclose(g_, r, atol=1e-5, rtol=1e-4), f"d{name}: {(g_ - r).abs().max()}"
+
+
+@given(lens=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 300)), min_size=1,
+                     max_size=12),
+       tile_m=st.sampled_from([BwdSm90Config.for_head_dim(64).tile_m, 128]))
+def test_varlen_padded_rows_disjoint(lens, tile_m):
+    """Sequence b's padded tiles start at a tile_m multiple, never overlap the next
+    sequence's, and all fit in the rows the host allocates (pad_offset of the total)."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    rows = pad_offset(cu[-1], len(lens), tile_m)
+    end = 0
+    for b, n in enumerate(lens):
+        start = pad_offset(cu[b], b, tile_m)
+        assert start % tile_m == 0 and start >= end, (b, start, end)
+        end = start + -(-n // tile_m) * tile_m
+    assert end <= rows and rows % tile_m == 0, (end, rows)

@@ -25,7 +25,7 @@ _ON_CPU = os.environ.get("FLASH_CUTE_GPU_TESTS_ON_CPU", "0") == "1"
 if not _ON_CPU and not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import flash_cute  # noqa: E402
@@ -566,22 +566,44 @@ def test_varlen_no_recompile_across_lengths():
     assert counts == [counts[0]] * len(counts), f"compile cache grew across lengths: {counts}"
 
 
-def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, seqused_k=None,
-                       seed=43):
-    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, h, hk, d, seed=seed,
-                                                       grad=True)
-    used = dict(seqused_q=seqused_q, seqused_k=seqused_k)
+def varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, *, causal, deterministic=False,
+                 **used):
+    """(dq, dk, dv) of flash_attn_varlen_func, on poisoned output memory."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     _poison_allocator()
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, **used)
-    dout = rand(*out.shape, seed=seed + 1)
-    got = torch.autograd.grad(out, (q, k, v), dout)
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=causal,
+                                 deterministic=deterministic, **used)
+    return torch.autograd.grad(out, leaves, dout)
+
+
+def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, seqused_k=None,
+                       seed=43, dtype=BF16, nan_unused=False):
+    """Gradients vs the fp32 oracle's (one atol for the set, check_grads_close). nan_unused:
+    q/k/v/dout rows past seqused hold NaN (the oracle sees zeros there) and must reach no
+    gradient; gradient rows past seqused must be exactly 0."""
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, h, hk, d, dtype,
+                                                       seed=seed)
+    dout = rand(*q.shape, dtype=dtype, seed=seed + 1)
+    used = dict(seqused_q=seqused_q, seqused_k=seqused_k)
+    unused = [torch.zeros(t.shape[0], 1, 1, dtype=torch.bool, device=DEVICE) for t in (q, k)]
+    for mask, cu, u in zip(unused, (cu_q, cu_k), (seqused_q, seqused_k)):
+        if u is not None:
+            for start, end, n in zip(cu.tolist(), cu.tolist()[1:], u.tolist()):
+                mask[start + min(n, end - start):end] = True
+    masks = (unused[0], unused[1], unused[1], unused[0])
+    clean = [t.masked_fill(m, 0.0) for t, m in zip((q, k, v, dout), masks)]
+    inputs = [t.masked_fill(m, float("nan")) for t, m in zip((q, k, v, dout), masks)] \
+        if nan_unused else clean
+    got = varlen_grads(*inputs[:3], cu_q, cu_k, max_q, max_k, inputs[3], causal=causal, **used)
     kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **used)
-    ref = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=True, **kw)
-    low = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=False, **kw)
-    for i in range(3):
+    ref = oracle_grads(*clean[:3], clean[3], (0, 1, 2), upcast=True, **kw)
+    low = oracle_grads(*clean[:3], clean[3], (0, 1, 2), upcast=False, **kw)
+    for i, m in zip(range(3), masks):
         name = "d" + "qkv"[i]
+        assert got[i].shape == (q if i == 0 else k).shape, name
         assert torch.isfinite(got[i]).all(), f"{name} has non-finite values"
-        check_close(got[i], ref[i], low[i], name=name)
+        assert (got[i].masked_select(m) == 0).all(), f"{name} rows past seqused must be 0"
+    check_grads_close(got, [ref[i] for i in range(3)], [low[i] for i in range(3)])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -595,3 +617,100 @@ def test_varlen_grads_seqused():
     used_k = torch.tensor([3, 100, 20], dtype=torch.int32, device=DEVICE)
     check_varlen_grads([4, 200, 30], [3, 250, 20], 4, 4, 64, causal=True, seqused_q=used_q,
                        seqused_k=used_k)
+
+
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in oracle would read the NaN rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_varlen_grads_nan_past_seqused(d, causal):
+    """NaN in every q/k/v/dout row past seqused (an uninitialised cache): the fused backward
+    reads them in the boxes at a sequence's end and must zero them before any product (P = 0
+    times NaN is NaN). Sequence 4 is unused entirely and follows one ending mid-tile."""
+    lens_q, lens_k = [100, 0, 1, 333, 129, 7], [300, 5, 1, 333, 200, 0]
+    used_q, used_k = ([50, 0, 1, 333, 0, 7], [100, 0, 0, 200, 129, 0])
+    check_varlen_grads(lens_q, lens_k, 4, 2, d, causal=causal, nan_unused=True,
+                       seqused_q=torch.tensor(used_q, dtype=torch.int32, device=DEVICE),
+                       seqused_k=torch.tensor(used_k, dtype=torch.int32, device=DEVICE))
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_varlen_grads_random_lengths(data):
+    """Fused varlen backward vs the oracle over drawn length lists (0, 1, tile edges, one long
+    sequence likely), causal or not, GQA, both dtypes, the fused head dims."""
+    lengths = st.one_of(st.sampled_from(EDGE_LENGTHS), st.integers(0, 300))
+    b = data.draw(st.integers(1, 5), label="batch")
+    lens_q = data.draw(st.lists(lengths, min_size=b, max_size=b), label="lens_q")
+    same = data.draw(st.booleans(), label="lens_k = lens_q")
+    lens_k = lens_q if same else data.draw(st.lists(lengths, min_size=b, max_size=b),
+                                           label="lens_k")
+    assume(sum(lens_q) > 0 and sum(lens_k) > 0)  # else the oracle has no graph to differentiate
+    h = data.draw(st.sampled_from([1, 2, 4, 6]), label="nheads")
+    hk = data.draw(st.sampled_from([x for x in (1, 2, 3, 6) if h % x == 0]), label="nheads_kv")
+    d = data.draw(st.sampled_from([64, 96, 128]), label="head_dim")
+    causal = data.draw(st.booleans(), label="causal")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    check_varlen_grads(lens_q, lens_k, h, hk, d, causal=causal, dtype=dtype,
+                       seed=sum(lens_q) + 5 * sum(lens_k))
+
+
+@pytest.mark.skipif(_ON_CPU, reason="compares two kernels")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_varlen_grads_match_batched_per_sequence(d, causal):
+    """Each sequence alone through flash_attn_func: same tiles, same query-block order, and
+    with deterministic=True the same dQ addition order, so the same gradients (to one
+    rounding; bitwise expected)."""
+    lens_q, lens_k = [1500, 0, 1, 130, 64, 700, 3], [1500, 5, 0, 260, 64, 1, 129]
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, 4, 2, d, seed=d + 1)
+    dout = rand(*q.shape, seed=d + 2)
+    got = varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, causal=causal,
+                       deterministic=True)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    eps = torch.finfo(q.dtype).eps
+    for i in range(len(lens_q)):
+        sq, sk = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if lens_q[i] == 0:  # keys nobody attends to: no gradient
+            assert (got[1][sk] == 0).all() and (got[2][sk] == 0).all(), f"sequence {i}"
+            continue
+        leaves = [t[None, r].detach().clone().requires_grad_() for t, r in ((q, sq), (k, sk),
+                                                                            (v, sk))]
+        out = flash_attn_func(*leaves, causal=causal, deterministic=True)
+        alone = torch.autograd.grad(out, leaves, dout[None, sq])
+        for name, g, a, r in zip(("dq", "dk", "dv"), got, alone, (sq, sk, sk)):
+            torch.testing.assert_close(g[r], a[0], rtol=eps, atol=eps,
+                                       msg=lambda m: f"sequence {i} {name}: {m}")
+
+
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in is deterministic anyway")
+@pytest.mark.parametrize("d,causal,hk", [(128, False, 4), (128, True, 2), (64, True, 1)])
+def test_varlen_grads_deterministic(d, causal, hk):
+    """deterministic=True: bit-identical varlen gradients over 3 runs (semaphores per padded
+    query tile), and still right."""
+    lens = [1100, 0, 1, 333, 700, 65]
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens, lens[::-1], 4, hk, d, seed=d)
+    dout = rand(*q.shape, seed=7)
+    runs = [varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, causal=causal,
+                         deterministic=True) for _ in range(3)]
+    for other in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), f"{name} differs between deterministic runs"
+    kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    ref = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=True, **kw)
+    low = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=False, **kw)
+    check_grads_close(runs[0], [ref[i] for i in range(3)], [low[i] for i in range(3)])
+
+
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in does not compile")
+def test_varlen_bwd_no_recompile_across_lengths():
+    """The varlen backward's compile key holds no length: one compile for any batch."""
+    from flash_cute import backward
+    counts = []
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(0, 300 * (seed + 1), (1 + 3 * seed,), generator=g).tolist()
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens, lens, 4, 2, 128, seed=seed)
+        varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, rand(*q.shape, seed=seed), causal=True)
+        torch.cuda.synchronize()
+        counts.append(backward.compile_cache_size())
+    assert counts == [counts[0]] * len(counts), f"compile cache grew across lengths: {counts}"

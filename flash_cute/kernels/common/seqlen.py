@@ -12,6 +12,12 @@ shape.
 
 Kernel layouts: batched Q/K/V/O (s, d, h, b) and LSE (s, h, b); varlen Q/K/V/O (total, d, h)
 and LSE (total, h).
+
+Padded rows (the backward's fp32 LSE_log2, D and dQaccum, read and reduced by whole query
+tiles): varlen sequence ``b`` starts at row ``pad_offset(cu_seqlens_q[b], b, tile_m)``, a
+tile_m multiple at least ``b * tile_m`` past its packed start, so its last (partial) tile ends
+before the next sequence's first and the padded arrays hold ``total_q // tile_m + batch`` tiles
+(FlashAttention-3's layout). Batched tensors are padded per batch entry: offset 0.
 """
 from dataclasses import dataclass
 
@@ -27,16 +33,25 @@ class SeqlenInfo:
     seqlen_q: Int32      # rows of Q that count
     seqlen_k: Int32      # keys that count
     varlen: bool
+    offset_q_pad: Int32 = 0  # first row of the sequence in the padded fp32 row arrays
 
     @staticmethod
     def create(batch: Int32, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ=None,
-               mCuSeqlensK=None, mSeqUsedQ=None, mSeqUsedK=None):
+               mCuSeqlensK=None, mSeqUsedQ=None, mSeqUsedK=None, pad_tile_m=None):
+        """Batched: lengths from the shapes of mQ, mK. Varlen: from cu_seqlens/seqused; with
+        mCuSeqlensK None only the query side (seqlen_k 0); pad_tile_m: the padded-row tile."""
         if const_expr(mCuSeqlensQ is None):
             return SeqlenInfo(0, 0, mQ.shape[0], mK.shape[0], False)
-        offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
+        offset_q = mCuSeqlensQ[batch]
         seqlen_q = cutlass.min(mCuSeqlensQ[batch + 1] - offset_q, mSeqUsedQ[batch])
-        seqlen_k = cutlass.min(mCuSeqlensK[batch + 1] - offset_k, mSeqUsedK[batch])
-        return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k, True)
+        offset_k, seqlen_k = Int32(0), Int32(0)
+        if const_expr(mCuSeqlensK is not None):
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k = cutlass.min(mCuSeqlensK[batch + 1] - offset_k, mSeqUsedK[batch])
+        offset_q_pad = Int32(0)
+        if const_expr(pad_tile_m is not None):
+            offset_q_pad = pad_offset(offset_q, batch, pad_tile_m)
+        return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k, True, offset_q_pad)
 
     def rows(self, t: cute.Tensor, offset, head: Int32, batch: Int32) -> cute.Tensor:
         """The (rows, ...) view of one head of one sequence; rows from the sequence start."""
@@ -50,3 +65,14 @@ class SeqlenInfo:
 
     def k_rows(self, t: cute.Tensor, head: Int32, batch: Int32) -> cute.Tensor:
         return self.rows(t, self.offset_k, head, batch)
+
+    def q_pad_rows(self, t: cute.Tensor, head: Int32, batch: Int32) -> cute.Tensor:
+        return self.rows(t, self.offset_q_pad, head, batch)
+
+
+def pad_offset(offset_q, batch, tile_m: int):
+    """First padded row of varlen sequence ``batch`` (packed start ``offset_q``): the tile_m
+    multiple at or below offset_q + batch * tile_m. Sequence b's tiles end at most at
+    pad_offset(b + 1), so the padded arrays need pad_offset(batch) = (total_q // tile_m + batch)
+    * tile_m rows. Also runs on Python ints (the host sizes the arrays with it)."""
+    return (offset_q + batch * tile_m) // tile_m * tile_m

@@ -1,6 +1,7 @@
-"""SM90 (Hopper) attention backward, step 2 of 3: dK, dV per key block, dQ by atomics.
+"""SM90 (Hopper) attention backward, step 2 of 3: dK, dV per key block, dQ by bulk reductions.
 
-STATUS: compiled for sm_90a and SASS-checked on a CPU machine; not yet run on a GPU.
+STATUS: batched: checked on the H200 (bench/check_bwd.py). Varlen (``varlen=True``): compiled
+and SASS-checked on a CPU machine, not yet run on a GPU (bench/check_varlen_bwd.py).
 
 Math (per batch and query head; S = Q K^T unscaled, scale = softmax_scale):
 
@@ -15,8 +16,9 @@ dV += P^T dO and dK += dS^T Q, and dK / dV never leave registers until the epilo
 Ownership: one CTA per (key block of TILE_N = 128 keys, query head, batch); it walks the query
 blocks (tile_m = 64 rows) that can see its keys, so dK and dV are complete at the end of the
 CTA (no reduction for them; GQA writes per query head, bwd_post sums the group). dQ for a query
-block gets a contribution from every key block: each warpgroup adds its partial dS_wg K_wg
-(64 x d) to the fp32 dQaccum with red.global.add (v1; a TMA reduce-add is the next step).
+block gets a contribution from every key block: the mma warpgroups write their dQ partial
+(fp32) to shared memory (sdQ) and the dQ warp adds it to dQaccum with one TMA bulk reduce-add
+per tile (deterministic: in key-block order, behind a semaphore per query block).
 
 Warp roles (3 warpgroups, 384 threads):
 
@@ -25,10 +27,11 @@ Warp roles (3 warpgroups, 384 threads):
     WG1  mma    keys  0..63 of the block  } S^T = K Q^T, dP^T = V dO^T      (SS wgmma)
     WG2  mma    keys 64..127              } P^T, dS^T in registers (exp2 with LSE from smem)
                                           } dV += P^T dO, dK += dS^T Q      (RS wgmma)
-                                          } dS^T -> sdS (stmatrix); dQ_wg = dS_wg K_wg (SS)
-                                          }   in dq_chunk-column pieces, red.add to dQaccum
+                                          } dS^T -> sdS (stmatrix); dQ = dS K (SS, split
+                                          }   per cfg.dq_split) -> sdQ (fp32)
                                           } epilogue: dK * scale, dV -> global (predicated)
                 setmaxnreg 240.
+    WG0  dQ     warp 1: per query block, sdQ -> dQaccum rows with cp.reduce.async.bulk .add.f32.
 
 Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
 empty barrier: one arrive per consumer warp, 8):
@@ -41,14 +44,16 @@ empty barrier: one arrive per consumer warp, 8):
     both. A stage is released only after the dQ wgmma of that query block finished, which
     also covers dV (reads sdO) and dK (reads sQ), issued earlier in the same block.
 
-Named barriers: DS_WG1 / DS_WG2 (128 threads, one per mma warpgroup): this warpgroup's stmatrix
-writes of dS^T are visible (after fence.proxy.async) before its dQ wgmma reads sdS. The
-warpgroups never read each other's dS, so there is no cross-warpgroup barrier in the loop.
+Named barriers (``Barrier``): DS_READY (+ wg: 128 threads, each warpgroup its own dS rows;
+shared dQ tile: 256) makes the stmatrix writes of dS^T visible (after fence.proxy.async) before
+the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY (256 + 32) hand sdQ between the mma warpgroups and
+the dQ warp; TAIL (256, varlen) orders the zeroing of rows past a sequence before any wgmma
+reads them.
 
 Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 
     S^T  | dP^T | [wait 1: S^T]  (mask) P^T = exp2(...) | dV | [wait 1: dP^T] dS^T | sdS, bar |
-    dK | dQ chunk 0 [wait 0] red.add | dQ chunk 1 [wait 0] red.add | release stage
+    dK | [DQ_EMPTY] dQ chunk(s) [wait 0] -> sdQ | [DQ_FULL arrive] | release stage
 
 dP^T runs under the exp2 of P^T and dV under dS; masked blocks (causal diagonal, ragged key
 tail) wait for dP^T before masking so the mask's registers do not collide with in-flight
@@ -60,6 +65,24 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     d=64:  16+16+16+16+16 KB + 1 KB =  81 KB      d=96: 24*4 + 16 + 1 = 113 KB
     d=128: 32+32+32+32+16 KB + 1 KB = 145 KB      (d=192: 48*4+16 = 208 KB would fit, but
                                                     registers do not: see BwdSm90Config)
+    plus sdQ fp32 num_dq_tiles * tile_m * (d + DQ_ROW_PAD): d=64 36 KB, d=96 52 KB (two
+    tiles), d=128 34 KB (one shared tile, with a second sdS buffer: +16 KB).
+
+Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
+(total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (sequence b
+from ``pad_offset``, whole tiles that never overlap the next sequence's). The grid covers
+max_seqlen_k; a CTA whose key block starts at or past its sequence's seqlen_k returns before
+any pipeline wait or named barrier (uniform over the CTA: all 384 threads leave together; the
+mbarriers were only initialised). TMA views start at the sequence's first row but keep the
+packed extent, so the boxes at a sequence's end hold the next sequence's rows (past seqused:
+anything, NaN included). The mma warpgroups zero those rows in shared memory before any wgmma
+reads them: K and V past seqlen_k once per CTA, Q and dO past seqlen_q in the one query block
+where the sequence ends. Then such a query has S = 0, P = exp2(0 - inf) = 0 exactly
+(LSE_log2 = +inf on padding rows), dP = 0 and dS = 0: nothing reaches dK / dV; keys past
+seqlen_k are masked as a ragged tail and their zero K / V rows keep dS = 0 and dQ finite
+(0 * NaN would not be). dK / dV rows past seqlen_k are never stored (the next sequence's);
+dQ tiles are reduced into the sequence's own padded rows, and the deterministic semaphores are
+per padded query tile (h, rows / tile_m).
 
 Registers (per mma thread, fp32 unless noted): dK + dV 2 * 64 * d / 128 (d=128: 128), S^T and
 dP^T 2 * 32, P^T and dS^T 2-byte 16 + 16, dQ chunk 32: an estimated ~210 live at d=128 of the
@@ -71,6 +94,7 @@ the atomics), the serialized dQ chunks, tile_m = 64 (S^T and dP^T wgmma have N =
 forward's), and the tile epilogue (scalar predicated stores of dK/dV).
 """
 import enum
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -82,8 +106,9 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...config import DQ_ROW_PAD, BwdSm90Config
 from ..common import block_info
-from ..common.layout import acc_as_mn, acc_as_operand_a, select_modes, transpose_mn
+from ..common.layout import acc_as_mn, acc_as_operand_a, row_copy, select_modes, transpose_mn
 from ..common.mask import apply_mask_key_major
+from ..common.seqlen import SeqlenInfo
 from .pipelines import bulk_reduce_add_f32, make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
@@ -103,15 +128,18 @@ class Barrier(enum.IntEnum):
     DS_READY_WG2 = 2  # for warpgroup i alone
     DQ_FULL = 3       # mma warpgroups -> dQ warp: both sdQ tiles are written
     DQ_EMPTY = 4      # dQ warp -> mma warpgroups: the bulk reduce has read sdQ
+    TAIL = 5          # varlen: rows past a sequence are zeroed in sK/sV or sQ/sdO
 
 
 class FlashBwdSm90:
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
-                 deterministic: bool = False):
+                 deterministic: bool = False, varlen: bool = False):
         """``dkv_dtype``: element type of the dK / dV outputs (the input dtype, or Float32 for
         the per-query-head GQA buffers that bwd_post sums). ``deterministic``: key blocks add
-        into a query block's dQaccum in key-block order (a semaphore per query block)."""
+        into a query block's dQaccum in key-block order (a semaphore per query block).
+        ``varlen``: packed sequences (see the module docstring)."""
         self.deterministic = deterministic
+        self.varlen = varlen
         self.dtype = dtype
         self.dkv_dtype = dtype if dkv_dtype is None else dkv_dtype
         self.cfg = cfg
@@ -129,17 +157,32 @@ class FlashBwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32, dk_scale: Float32,
-                 stream: cuda.CUstream):
-        """mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD (b, h, sq_pad)
-        fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in dkv_dtype,
-        indexed by the query head (equal to the KV head when h == hk); mSem (b, h, sq_pad / tm)
-        int32, zeroed (read only when deterministic)."""
+                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+                 max_seqlen_k: Optional[Int32], stream: cuda.CUstream):
+        """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
+        (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
+        dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
+        (b, h, sq_pad / tm) int32, zeroed (read only when deterministic); the five varlen
+        arguments None. Varlen: the batch mode goes, rows are packed (Q, dO, K, V, dK, dV
+        (total, heads, d)) or padded (mLSE, mD (h, rows), mdQaccum (h, rows, d), mSem
+        (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_k sizes the grid."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
-        mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [1, 3, 2, 0])
-                                     for t in (mQ, mdO, mK, mV, mdK, mdV)]
-        mLSE, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE, mD)]
-        mdQaccum = select_modes(mdQaccum, [2, 3, 1, 0])
-        mSem = select_modes(mSem, [2, 1, 0])
+        if const_expr(self.varlen):
+            mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
+                                         for t in (mQ, mdO, mK, mV, mdK, mdV)]
+            mLSE, mD, mSem = [select_modes(t, [1, 0]) for t in (mLSE, mD, mSem)]
+            mdQaccum = select_modes(mdQaccum, [1, 2, 0])
+            num_n_blocks = (max_seqlen_k + self.tile_n - 1) // self.tile_n
+            num_batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [1, 3, 2, 0])
+                                         for t in (mQ, mdO, mK, mV, mdK, mdV)]
+            mLSE, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE, mD)]
+            mdQaccum = select_modes(mdQaccum, [2, 3, 1, 0])
+            mSem = select_modes(mSem, [2, 1, 0])
+            num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+            num_batch = mQ.shape[3]
         dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.stages
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
 
@@ -213,12 +256,12 @@ class FlashBwdSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
 
         self.shared_storage = SharedStorage
-        num_n_blocks = cute.ceil_div(mK.shape[0], tn)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mD, mdQaccum, mdK, mdV, mSem,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
-                    sdQ_layout, mma_sdp, mma_dkv, mma_dq).launch(
-            grid=[num_n_blocks, mQ.shape[2], mQ.shape[3]],
+                    sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+                    mSeqUsedK).launch(
+            grid=[num_n_blocks, mQ.shape[2], num_batch],
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------------------- device
@@ -232,7 +275,9 @@ class FlashBwdSm90:
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sdS_layout: cute.ComposedLayout, sLSE_layout: cute.Layout,
                sdQ_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
-               mma_dq: cute.TiledMma):
+               mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
+               mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
@@ -254,27 +299,34 @@ class FlashBwdSm90:
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
         n_block, head, batch = cute.arch.block_idx()
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                                pad_tile_m=self.tile_m)
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         m_begin = Int32(0)
         if const_expr(self.causal):
             m_begin = block_info.m_block_min_causal(n_block, self.tile_m, self.tile_n,
                                                     seqlen_q, seqlen_k)
         m_end = cute.ceil_div(seqlen_q, self.tile_m)
-
-        if warp_idx // 4 == 0:
-            cute.arch.setmaxregister_decrease(LOAD_REGS)
-            if warp_idx == 0:
-                head_kv = head // (mQ.shape[2] // mK.shape[2])
-                self.load(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q, tma_k,
-                          tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do, n_block,
-                          head, head_kv, batch, m_begin, m_end)
-            if warp_idx == DQ_WARP:
-                self.dq_reduce(mdQaccum, mSem, sdQ, n_block, head, batch, m_begin, m_end)
-        else:
-            cute.arch.setmaxregister_increase(MMA_REGS)
-            self.mma(mma_sdp, mma_dkv, mma_dq, mdQaccum, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE,
-                     sD, sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, n_block, head, batch,
-                     m_begin, m_end, seqlen_q, seqlen_k)
+        # Varlen: the grid covers the longest sequence; a shorter one's extra key blocks have
+        # no keys. Uniform over the CTA and before any pipeline or named barrier is used, so
+        # every warp leaves together (the barriers above are only initialised).
+        has_keys = True if const_expr(not self.varlen) else n_block * self.tile_n < seqlen_k
+        if has_keys:
+            if warp_idx // 4 == 0:
+                cute.arch.setmaxregister_decrease(LOAD_REGS)
+                if warp_idx == 0:
+                    head_kv = head // (mQ.shape[2] // mK.shape[2])
+                    self.load(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q,
+                              tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do,
+                              n_block, head, head_kv, batch, m_begin, m_end, seq)
+                if warp_idx == DQ_WARP:
+                    self.dq_reduce(mdQaccum, mSem, sdQ, n_block, head, batch, m_begin, m_end,
+                                   seq)
+            else:
+                cute.arch.setmaxregister_increase(MMA_REGS)
+                self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD,
+                         sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, n_block, head,
+                         batch, m_begin, m_end, seq)
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -283,15 +335,15 @@ class FlashBwdSm90:
              tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
              tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
              pipe_q, pipe_do, n_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
-             m_begin: Int32, m_end: Int32):
+             m_begin: Int32, m_end: Int32, seq: SeqlenInfo):
         """Producer: K and V once, then (Q, LSE) and (dO, D) for each query block in order."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
-        gQ = cute.local_tile(mQ[None, None, head, batch], (tm, d), (None, 0))
-        gdO = cute.local_tile(mdO[None, None, head, batch], (tm, d), (None, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (tn, d), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (tn, d), (n_block, 0))
-        gLSE = cute.local_tile(mLSE[None, head, batch], (tm,), (None,))
-        gD = cute.local_tile(mD[None, head, batch], (tm,), (None,))
+        gQ = cute.local_tile(seq.q_rows(mQ, head, batch), (tm, d), (None, 0))
+        gdO = cute.local_tile(seq.q_rows(mdO, head, batch), (tm, d), (None, 0))
+        gK = cute.local_tile(seq.k_rows(mK, head_kv, batch), (tn, d), (n_block, 0))
+        gV = cute.local_tile(seq.k_rows(mV, head_kv, batch), (tn, d), (n_block, 0))
+        gLSE = cute.local_tile(seq.q_pad_rows(mLSE, head, batch), (tm,), (None,))
+        gD = cute.local_tile(seq.q_pad_rows(mD, head, batch), (tm,), (None,))
         tQsQ, tQgQ = tma_split(tma_q, sQ, gQ)
         tdOsdO, tdOgdO = tma_split(tma_do, sdO, gdO)
         tKsK, tKgK = tma_split(tma_k, sK, gK)
@@ -317,13 +369,14 @@ class FlashBwdSm90:
 
     @cute.jit
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-            mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor,
-            sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor,
-            sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv, pipe_q, pipe_do,
-            scale_log2: Float32, dk_scale: Float32, n_block: Int32, head: Int32, batch: Int32, m_begin: Int32,
-            m_end: Int32, seqlen_q: Int32, seqlen_k: Int32):
+            mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+            sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor, sLSE: cute.Tensor,
+            sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv, pipe_q, pipe_do, scale_log2: Float32,
+            dk_scale: Float32, n_block: Int32, head: Int32, batch: Int32, m_begin: Int32,
+            m_end: Int32, seq: SeqlenInfo):
         """MMA warpgroups: the loop over query blocks, then the dK / dV epilogue."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_sdp = mma_sdp.get_slice(wg * WG_THREADS)
@@ -389,33 +442,72 @@ class FlashBwdSm90:
 
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv)
+        # Varlen: the query block where the sequence ends mid-block (-1: none) and its rows.
+        q_tail, q_tail_rows = Int32(-1), Int32(0)
+        if const_expr(self.varlen):
+            keys = seqlen_k - n_block * tn
+            if keys < tn:
+                self.zero_tail_rows((sK, sV), keys, tidx)
+            q_tail_rows = seqlen_q - (m_end - 1) * tm
+            q_tail = m_end - 1 if q_tail_rows < tm else Int32(-1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         m_mask_end = cutlass.max(m_begin, block_info.m_block_mask_end(
             n_block, tm, tn, seqlen_q, seqlen_k, self.causal))
         frags = (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO,
                  tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
         for m_block in cutlass.range(m_begin, cutlass.min(m_mask_end, m_end), unroll=1):
-            st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sLSE, sD,
-                             mdQaccum, pipe_q, pipe_do, scale_log2, wg, n_block, head, batch,
-                             seqlen_q, seqlen_k)
+            st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
+                             sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
+                             q_tail, q_tail_rows)
         for m_block in cutlass.range(m_mask_end, m_end, unroll=1):
-            st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sLSE, sD,
-                             mdQaccum, pipe_q, pipe_do, scale_log2, wg, n_block, head, batch,
-                             seqlen_q, seqlen_k)
+            st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
+                             sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
+                             q_tail, q_tail_rows)
 
         self.epilogue(mma_dkv, tdKrdK, tdVrdV, mdK, mdV, dk_scale, tidx, n_block, head, batch,
-                      seqlen_k)
+                      seq)
+
+    @cute.jit
+    def zero_tail_rows(self, tiles, rows: Int32, tidx: Int32):
+        """Varlen: zero the rows at and past ``rows`` of shared (R, d) tiles, then make that
+        visible to both mma warpgroups' wgmma.
+
+        TMA boxes at a sequence's end hold the next sequence's rows (or, past seqused, e.g. an
+        uninitialised cache). Their scores are masked (keys) or their P is exactly 0 (queries:
+        LSE_log2 = +inf), but the operands still meet other products: 0 * NaN in dV += P^T dO,
+        dK += dS^T Q, dQ += dS K, and dP = V dO^T turns NaN rows into NaN dS.
+        """
+        for t in tiles:
+            rows_t = cute.size(t, mode=[0])
+            copy, threads = row_copy(self.dtype, rows_t, self.d, NUM_MMA_WG * WG_THREADS)
+            if tidx < threads:
+                thr = copy.get_slice(tidx)
+                tTsT = thr.partition_D(t)
+                tTcT = thr.partition_D(cute.make_identity_tensor((rows_t, self.d)))
+                zero = cute.make_rmem_tensor_like(tTsT)
+                zero.fill(0.0)
+                for m in cutlass.range_constexpr(cute.size(tTsT, mode=[1])):
+                    if tTcT[0, m, 0][0] >= rows:
+                        cute.copy(copy, zero[None, m, None], tTsT[None, m, None])
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
+        cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=NUM_MMA_WG * WG_THREADS)
 
     @cute.jit
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
-               mma_dq, frags, sLSE: cute.Tensor, sD: cute.Tensor, mdQaccum: cute.Tensor,
-               pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32, head: Int32,
-               batch: Int32, seqlen_q: Int32, seqlen_k: Int32):
+               mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
+               sD: cute.Tensor, pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32,
+               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
         """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring)."""
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
          tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
         tm, tn = self.tile_m, self.tile_n
         s = st.index
+        if const_expr(self.varlen):
+            if m_block == q_tail:  # the sequence ends inside this block
+                pipe_q.consumer_wait(st)  # the waits below then pass at once
+                pipe_do.consumer_wait(st)
+                self.zero_tail_rows((sQ[None, None, s], sdO[None, None, s]), q_tail_rows,
+                                    cute.arch.thread_idx()[0] - WG_THREADS)
         pipe_q.consumer_wait(st)
         gemm(mma_sdp, tSrS, tSrK, tSrQ[None, None, None, s], zero_init=True, wait_group=-1)
         pipe_do.consumer_wait(st)
@@ -483,14 +575,16 @@ class FlashBwdSm90:
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
-                  n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32):
+                  n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
+                  seq: SeqlenInfo):
         """dQ warp: per query block, add the sdQ tile(s) into the block's dQaccum rows with TMA
         bulk reductions; sdQ is handed back once the reductions have read it.
 
         Deterministic: the key blocks adding into query block m are 0 .. N(m)-1 (causal drops a
         suffix, never a prefix), so key block n waits until m's semaphore reads n, adds, waits
         for its adds to land, then increments it. Lower key blocks launch first (they are
-        blockIdx.x), so the wait cannot deadlock."""
+        blockIdx.x), so the wait cannot deadlock. Varlen: rows and semaphores of the padded
+        layout (one per padded query tile)."""
         tm = self.tile_m
         # A tile is tm padded rows; the last row's padding may lie past the allocation.
         tile_bytes = (tm * self.cfg.dq_row - DQ_ROW_PAD) * 4
@@ -501,9 +595,13 @@ class FlashBwdSm90:
         for m_block in cutlass.range(m_begin, m_end, unroll=1):
             cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
             if lane == 0:
-                gdQ = cute.local_tile(mdQaccum[None, None, head, batch], (tm, self.d),
+                gdQ = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, self.d),
                                       (m_block, 0))
-                sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
+                if const_expr(self.varlen):
+                    sem = mSem.iterator + cute.crd2idx((seq.offset_q_pad // tm + m_block, head),
+                                                       mSem.layout)
+                else:
+                    sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
                 if const_expr(self.deterministic):
                     while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
                         pass
@@ -527,16 +625,17 @@ class FlashBwdSm90:
     @cute.jit
     def epilogue(self, mma_dkv: cute.TiledMma, tdKrdK: cute.Tensor, tdVrdV: cute.Tensor,
                  mdK: cute.Tensor, mdV: cute.Tensor, dk_scale: Float32, tidx: Int32,
-                 n_block: Int32, head: Int32, batch: Int32, seqlen_k: Int32):
-        """dK * scale and dV -> global, straight from registers, rows past seqlen_k skipped."""
+                 n_block: Int32, head: Int32, batch: Int32, seq: SeqlenInfo):
+        """dK * scale and dV -> global, straight from registers, rows past seqlen_k skipped
+        (varlen: they belong to the next sequence)."""
         tn, d = self.tile_n, self.d
         tdKrdK.store(tdKrdK.load() * dk_scale)
         cKV = cute.make_identity_tensor((tn, d))
         tdKVcKV = acc_as_mn(mma_dkv.get_slice(tidx).partition_C(cKV))
-        gdK = cute.local_tile(mdK[None, None, head, batch], (tn, d), (n_block, 0))
-        gdV = cute.local_tile(mdV[None, None, head, batch], (tn, d), (n_block, 0))
-        self.store_rows(tdKrdK, gdK, tdKVcKV, n_block, seqlen_k)
-        self.store_rows(tdVrdV, gdV, tdKVcKV, n_block, seqlen_k)
+        gdK = cute.local_tile(seq.k_rows(mdK, head, batch), (tn, d), (n_block, 0))
+        gdV = cute.local_tile(seq.k_rows(mdV, head, batch), (tn, d), (n_block, 0))
+        self.store_rows(tdKrdK, gdK, tdKVcKV, n_block, seq.seqlen_k)
+        self.store_rows(tdVrdV, gdV, tdKVcKV, n_block, seq.seqlen_k)
 
     @cute.jit
     def store_rows(self, acc: cute.Tensor, gOut: cute.Tensor, tcOut: cute.Tensor,

@@ -10,38 +10,91 @@ One elementwise kernel, used up to three times per backward call:
                G = h / hk query heads share a KV head ("(hk g)" order, as in the oracle),
                scale = 1 (the main kernel already scaled dK).
 
+Varlen dQ (``varlen=True``): acc = dQaccum viewed as (rows, h, d), sequence b's rows from its
+padded start (common/seqlen.py), out = dq (total_q, h, d); the grid covers max_seqlen_q rows
+of every sequence (blockIdx.z = sequence). Rows past seqused_q are written as 0 (the
+accumulator holds no meaningful sums there). GQA dK / dV of varlen calls are row-for-row and
+go through the batched form with a batch of 1.
+
 Summing the group here rather than with atomics in the main kernel keeps the result independent
 of CTA timing and needs no zeroed accumulator. Thread mapping: one thread per 8-element vector
 of one output row (16 bytes out, G x 32 bytes in), a flat 1-D grid; sizes and strides are
 runtime values, so one compile serves every shape of a (dtype, head dim).
 """
+from typing import Optional
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32, const_expr
+
+from ..common.seqlen import SeqlenInfo
 
 THREADS = 128
 VEC = 8  # elements per thread: 16 bytes of 2-byte output, two 16-byte fp32 loads per head
 
 
 class FlashBwdPostSm90:
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64):
+        """``tile_m``: the main kernel's query tile (varlen: the padded-row unit)."""
         if head_dim % VEC != 0:
             raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
         self.dtype = dtype
         self.d = head_dim
+        self.varlen = varlen
+        self.tile_m = tile_m
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
-                 stream: cuda.CUstream):
-        """mAcc (b, s, G * j, d) fp32 (any strides, d contiguous); mOut (b, s, j, d)."""
+                 mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+                 max_seqlen_q: Optional[Int32], stream: cuda.CUstream):
+        """Batched: mAcc (b, s, G * j, d) fp32 (any strides, d contiguous); mOut (b, s, j, d);
+        the varlen arguments None. Varlen: mAcc (rows, h, d) padded rows; mOut (total_q, h, d);
+        cu_seqlens_q (b + 1,), seqused_q (b,) int32; max_seqlen_q sizes the grid."""
         vecs_per_row = self.d // VEC
-        total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
-        self.kernel(mAcc, mOut, scale).launch(
-            grid=[cute.ceil_div(total, THREADS), 1, 1], block=[THREADS, 1, 1], stream=stream)
+        if const_expr(self.varlen):
+            per_seq = max_seqlen_q * mOut.shape[1] * vecs_per_row
+            grid = [cute.ceil_div(per_seq, THREADS), 1, mCuSeqlensQ.shape[0] - 1]
+        else:
+            total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
+            grid = [cute.ceil_div(total, THREADS), 1, 1]
+        self.kernel(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32):
+    def kernel(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
+               mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor]):
+        if const_expr(self.varlen):
+            self.kernel_varlen(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ)
+        else:
+            self.kernel_batched(mAcc, mOut, scale)
+
+    @cute.jit
+    def kernel_varlen(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
+                      mCuSeqlensQ: cute.Tensor, mSeqUsedQ: cute.Tensor):
+        tidx = cute.arch.thread_idx()[0]
+        bidx, _, batch = cute.arch.block_idx()
+        seq = SeqlenInfo.create(batch, None, None, mCuSeqlensQ, None, mSeqUsedQ, None,
+                                pad_tile_m=self.tile_m)
+        heads = mOut.shape[1]
+        vecs_per_row = self.d // VEC
+        v = bidx * THREADS + tidx
+        col = v % vecs_per_row
+        head = (v // vecs_per_row) % heads
+        pos = v // (vecs_per_row * heads)
+        if pos < mCuSeqlensQ[batch + 1] - seq.offset_q:  # every row of the sequence
+            acc = cute.make_rmem_tensor((VEC,), Float32)
+            acc.fill(0.0)
+            if pos < seq.seqlen_q:  # past seqused_q: 0
+                gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None], (VEC,), (col,))
+                cute.autovec_copy(gAcc, acc)
+            out = cute.make_rmem_tensor((VEC,), self.dtype)
+            out.store((acc.load() * scale).to(self.dtype))
+            cute.autovec_copy(out, cute.local_tile(mOut[seq.offset_q + pos, head, None],
+                                                   (VEC,), (col,)))
+
+    @cute.jit
+    def kernel_batched(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32):
         tidx = cute.arch.thread_idx()[0]
         bidx = cute.arch.block_idx()[0]
         batch, seqlen, heads_out = mOut.shape[0], mOut.shape[1], mOut.shape[2]
