@@ -76,11 +76,11 @@ class BwdSm90Config:
     tile_n: int = 128          # keys per CTA: two MMA warpgroups x 64 (one wgmma M each)
     stages: int = 2            # Q/LSE and dO/D ring depth: load m+1 while m computes
     dq_chunk: int = 64         # dQ = dS K in column chunks: live dQ registers = 64*chunk/128
-    # How the two mma warpgroups share dQ = dS K for a query block: "wg", each its own 64 keys
-    # (two tiles reduced); "n", one tile split along d (d % 128 == 0: whole swizzle atoms);
-    # "m", one tile split along queries (tile_m = 128); "alt", one tile, all of it by one
-    # warpgroup, alternating per query block.
-    dq_split: str = "wg"
+    # How the two mma warpgroups share the dQ tile (dS K over all 128 keys) of a query block:
+    # "n", split along d (d % 128 == 0: whole swizzle atoms of K^T); "alt", all of it by one
+    # warpgroup, alternating per query block. (Per-warpgroup tiles over its own 64 keys, two
+    # reductions per block, measured 21-29% slower; docs/performance.md bwd v3/v4.)
+    dq_split: str = "alt"
 
     @property
     def dq_row(self) -> int:
@@ -95,14 +95,13 @@ class BwdSm90Config:
                 f"{BWD_SUPPORTED_HEAD_DIMS}); use the interim backward")
         # A chunk must be whole 128-byte swizzle atoms of K^T (64 elements); d = 96 uses a
         # 64-byte atom (32 elements) and runs in one piece (48 registers).
-        # dq_split: "n" where d splits into whole swizzle atoms, else "alt" (+27-29% over
-        # "wg" at d=64/96 on the H200; the same within noise at d=128).
+        # "alt" at d=64/96 measured +27-29% over per-warpgroup tiles; at d=128 "n" and "alt"
+        # are within noise, "n" keeps the warpgroups balanced.
         return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d,
                              dq_split="n" if d % 128 == 0 else "alt")
 
     def __post_init__(self):
-        if self.dq_split not in ("wg", "n", "m", "alt"):
-            raise ValueError(f"dq_split must be 'wg', 'n', 'm' or 'alt', got {self.dq_split!r}")
-        if (self.dq_split == "m") != (self.tile_m == 128):
-            raise ValueError(f"dq_split='m' goes with tile_m=128 (got {self.dq_split!r}, "
-                             f"tile_m={self.tile_m})")
+        if self.dq_split not in ("n", "alt"):
+            raise ValueError(f"dq_split must be 'n' or 'alt', got {self.dq_split!r}")
+        if self.dq_split == "n" and self.head_dim % 128 != 0:
+            raise ValueError(f"dq_split='n' needs head_dim % 128 == 0, got {self.head_dim}")

@@ -27,7 +27,7 @@ Warp roles (3 warpgroups, 384 threads):
     WG1  mma    keys  0..63 of the block  } S^T = K Q^T, dP^T = V dO^T      (SS wgmma)
     WG2  mma    keys 64..127              } P^T, dS^T in registers (exp2 with LSE from smem)
                                           } dV += P^T dO, dK += dS^T Q      (RS wgmma)
-                                          } dS^T -> sdS (stmatrix); dQ = dS K (SS, split
+                                          } dS^T -> sdS (stmatrix); dQ = dS K (SS, shared
                                           }   per cfg.dq_split) -> sdQ (fp32)
                                           } epilogue: dK * scale, dV -> global (predicated)
                 setmaxnreg 240.
@@ -44,9 +44,8 @@ empty barrier: one arrive per consumer warp, 8):
     both. A stage is released only after the dQ wgmma of that query block finished, which
     also covers dV (reads sdO) and dK (reads sQ), issued earlier in the same block.
 
-Named barriers (``Barrier``): DS_READY (+ wg: 128 threads, each warpgroup its own dS rows;
-shared dQ tile: 256) makes the stmatrix writes of dS^T visible (after fence.proxy.async) before
-the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY (256 + 32) hand sdQ between the mma warpgroups and
+Named barriers (``Barrier``): DS_READY (256) makes both warpgroups' stmatrix writes of dS^T
+visible (after fence.proxy.async) before the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY (256 + 32) hand sdQ between the mma warpgroups and
 the dQ warp; TAIL (256, varlen) orders the zeroing of rows past a sequence before any wgmma
 reads them.
 
@@ -65,8 +64,8 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     d=64:  16+16+16+16+16 KB + 1 KB =  81 KB      d=96: 24*4 + 16 + 1 = 113 KB
     d=128: 32+32+32+32+16 KB + 1 KB = 145 KB      (d=192: 48*4+16 = 208 KB would fit, but
                                                     registers do not: see BwdSm90Config)
-    plus sdQ fp32 num_dq_tiles * tile_m * (d + DQ_ROW_PAD): d=64 36 KB, d=96 52 KB (two
-    tiles), d=128 34 KB (one shared tile, with a second sdS buffer: +16 KB).
+    plus a second sdS buffer (16 KB) and sdQ fp32 tile_m * (d + DQ_ROW_PAD): d=64 18 KB,
+    d=96 26 KB, d=128 34 KB. Totals: d=64 115 KB, d=96 155 KB, d=128 195 KB.
 
 Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
 (total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (sequence b
@@ -124,11 +123,10 @@ DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 
 class Barrier(enum.IntEnum):
     SYNC_THREADS = 0  # reserved by __syncthreads
-    DS_READY = 1      # dS^T is in shared memory: both warpgroups (split_n), else DS_READY + i
-    DS_READY_WG2 = 2  # for warpgroup i alone
-    DQ_FULL = 3       # mma warpgroups -> dQ warp: both sdQ tiles are written
-    DQ_EMPTY = 4      # dQ warp -> mma warpgroups: the bulk reduce has read sdQ
-    TAIL = 5          # varlen: rows past a sequence are zeroed in sK/sV or sQ/sdO
+    DS_READY = 1      # both warpgroups' dS^T rows are in shared memory
+    DQ_FULL = 2       # mma warpgroups -> dQ warp: the sdQ tile is written
+    DQ_EMPTY = 3      # dQ warp -> mma warpgroups: the bulk reduce has read sdQ
+    TAIL = 4          # varlen: rows past a sequence are zeroed in sK/sV or sQ/sdO
 
 
 class FlashBwdSm90:
@@ -150,7 +148,6 @@ class FlashBwdSm90:
         if self.d % cfg.dq_chunk != 0:
             raise ValueError(f"dq_chunk {cfg.dq_chunk} must divide head_dim {self.d}")
         self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
-        self.num_dq_tiles = NUM_MMA_WG if cfg.dq_split == "wg" else 1
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
@@ -194,17 +191,12 @@ class FlashBwdSm90:
         mma_dkv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
             tiler_mn=(KEYS_PER_WG, d), a_source=warpgroup.OperandSource.RMEM)
-        # dQ = dS K, A = sdS^T (queries contiguous), B = K^T (d contiguous). Split "n" / "m":
-        # the warpgroups split d / the queries and both read every key's dS; "wg": each
-        # multiplies its own 64 keys' dS by K, d in chunks.
+        # dQ = dS K over all tile_n keys, A = sdS^T (queries contiguous), B = K^T (d
+        # contiguous). "n": the warpgroups split d; "alt": one warpgroup, d in chunks.
         if const_expr(self.cfg.dq_split == "n"):
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, NUM_MMA_WG, 1),
                 tiler_mn=(tm, d // NUM_MMA_WG))
-        elif const_expr(self.cfg.dq_split == "m"):
-            mma_dq = sm90_utils.make_trivial_tiled_mma(
-                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
-                tiler_mn=(tm // NUM_MMA_WG, d))
         else:
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
@@ -214,14 +206,12 @@ class FlashBwdSm90:
         sdO_layout = make_smem_layout(dt, (tm, d), stages)
         sK_layout = make_smem_layout(dt, (tn, d))
         sV_layout = make_smem_layout(dt, (tn, d))
-        # Shared dQ tile: two dS buffers, so a warpgroup can write block m+1's dS while the
-        # other still reads block m's in its dQ wgmma.
-        sdS_layout = make_smem_layout(dt, (tn, tm), 1 if self.cfg.dq_split == "wg" else 2)
+        # Two dS buffers, so a warpgroup can write block m+1's dS while the other still reads
+        # block m's in its dQ wgmma.
+        sdS_layout = make_smem_layout(dt, (tn, tm), 2)
         sLSE_layout = cute.make_layout((tm, stages))
-        # fp32 dQ tiles (one shared, or one per warpgroup), rows padded like dQaccum's.
-        dq_row = self.cfg.dq_row
-        sdQ_layout = cute.make_layout((tm, d, self.num_dq_tiles),
-                                      stride=(dq_row, 1, tm * dq_row))
+        # The fp32 dQ tile, rows padded like dQaccum's (the bulk reduce copies it 1-D).
+        sdQ_layout = cute.make_layout((tm, d), stride=(self.cfg.dq_row, 1))
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
@@ -405,28 +395,16 @@ class FlashBwdSm90:
             tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(
                 cute.local_tile(transpose_mn(sK), (chunk, tn), (c, 0)))) for c in range(d // chunk)]
             tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
-            tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ[None, None, 0], (tm, chunk),
-                                                         (0, c))) for c in range(d // chunk)]
-        elif const_expr(self.cfg.dq_split != "wg"):
-            # This warpgroup's half of the dQ tile (d or queries) = dS K over all tile_n keys,
-            # one wgmma group; tdQrdS keeps sdS's buffer mode.
+            tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ, (tm, chunk), (0, c)))
+                      for c in range(d // chunk)]
+        else:
+            # This warpgroup's half of d of the dQ tile = dS K over all tile_n keys, one wgmma
+            # group; tdQrdS keeps sdS's buffer mode.
             thr_dq = mma_dq.get_slice(tidx)
             tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
             tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sK)))]
             tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
-            tdQsdQ = [thr_dq.partition_C(sdQ[None, None, 0])]
-        else:
-            # dQ_wg = dS_wg K_wg over this warpgroup's 64 keys, in column chunks of K^T.
-            thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
-            sdS_wg = cute.local_tile(sdS[None, None, 0], (KEYS_PER_WG, tm), (wg, 0))
-            sK_wg = cute.local_tile(sK, (KEYS_PER_WG, d), (wg, 0))
-            tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS_wg)))
-            tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(
-                cute.local_tile(transpose_mn(sK_wg), (chunk, KEYS_PER_WG), (c, 0))))
-                for c in range(d // chunk)]
-            tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
-            tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ[None, None, wg], (tm, chunk),
-                                                         (0, c))) for c in range(d // chunk)]
+            tdQsdQ = [thr_dq.partition_C(sdQ)]
 
         # dS^T registers -> sdS (this warpgroup's 64 rows) with stmatrix.
         store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
@@ -541,19 +519,14 @@ class FlashBwdSm90:
         rdS.store(tdPrdP.load().to(self.dtype))
         tdKrdS.store(acc_as_operand_a(rdS).load())
 
-        # dS^T rows -> sdS. Shared dQ tile: buffer m % 2, then both warpgroups meet (each reads
-        # all of sdS); the buffer was last read by block m-2's dQ, waited on before block m-1's
-        # barrier. "wg": this warpgroup's rows, its own previous dQ wgmma done (wait 0 below).
-        split = const_expr(self.cfg.dq_split != "wg")
-        buf = m_block % 2 if split else 0
+        # dS^T rows -> sdS buffer m % 2, then both warpgroups meet (the dQ wgmma reads all of
+        # sdS); the buffer was last read by block m-2's dQ, waited on before block m-1's
+        # barrier.
+        buf = m_block % 2
         cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS[None, None, None, buf])
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
-        if split:
-            cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
-                              number_of_threads=NUM_MMA_WG * WG_THREADS)
-        else:
-            cute.arch.barrier(barrier_id=int(Barrier.DS_READY) + wg,
-                              number_of_threads=WG_THREADS)
+        cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
+                          number_of_threads=NUM_MMA_WG * WG_THREADS)
         gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
              wait_group=-1)
 
@@ -561,8 +534,8 @@ class FlashBwdSm90:
         cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
         if wg == m_block % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
             for c in cutlass.range_constexpr(len(tdQrK)):
-                rdS_dq = tdQrdS[None, None, None, buf] if split else tdQrdS
-                gemm(mma_dq, tdQrdQ, rdS_dq, tdQrK[c], zero_init=True, wait_group=0)
+                gemm(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK[c], zero_init=True,
+                     wait_group=0)
                 cute.autovec_copy(tdQrdQ, tdQsdQ[c])
         else:
             warpgroup.wait_group(0)  # dK done on both paths (else ptxas serializes, C7514)
@@ -606,8 +579,7 @@ class FlashBwdSm90:
                     while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
                         pass
                     cute.arch.fence_proxy("async.global")  # acquire before the async adds
-                for w in cutlass.range_constexpr(self.num_dq_tiles):
-                    bulk_reduce_add_f32(gdQ.iterator, sdQ[None, None, w].iterator, tile_bytes)
+                bulk_reduce_add_f32(gdQ.iterator, sdQ.iterator, tile_bytes)
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds have landed
