@@ -5,27 +5,21 @@
     python bench/check_bwd.py --only 'd=128'  # cases whose tag contains the string
     python bench/check_bwd.py --list          # the cases and their indices
 
-Every case is independent: an assertion or a Python error prints FAIL and the run goes on. A
-CUDA error that kills the context, or a case running past --case-seconds (a hang: a pipeline
-phase or arrive-count bug), prints FAIL/HANG and the script re-executes itself from the next
-case (a fresh process and context), so one bad case never hides the others. The summary line
-of each process segment counts its passes and failures.
+Cases run through bench/case_runner.py: each under a watchdog; a hang or a lost CUDA context
+restarts the script from the next case.
 
-Rule: for each of dq, dk, dv, ``check_close(grad, oracle_fp32_grad, same_dtype_grad)`` where the
+Rule: for each of dq, dk, dv, ``check_grads_close(grads, oracle_fp32_grads, same_dtype_grads)`` where the
 oracle is attention_ref(upcast=True) differentiated in fp32 and the baseline is the same math
 in the input dtype (attention_ref(upcast=False), autograd in bf16/fp16). Outputs are poisoned:
 recycled memory is filled with NaN before each call, so unwritten elements show up.
 """
 import argparse
 import math
-import os
-import sys
-import threading
-import traceback
 
 import torch
 
-from check_fwd import timeit  # bench/ is on sys.path when run as a script
+from case_runner import add_arguments, context_alive, run_cases  # bench/ is on sys.path
+from check_fwd import timeit
 from flash_cute import backward, dispatch
 from flash_cute.reference import attention_ref, check_grads_close
 
@@ -84,25 +78,6 @@ def check(c):
                     for n, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref))
 
 
-def context_alive():
-    try:
-        torch.ones(1, device="cuda").add_(1)
-        torch.cuda.synchronize()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def restart_from(i, args):
-    sys.stdout.flush()
-    argv = [a for a in sys.argv[1:]]
-    if "--start" in argv:
-        j = argv.index("--start")
-        del argv[j:j + 2]
-    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *argv,
-                              "--start", str(i)])
-
-
 # ------------------------------------------------------------------------------- timing
 def bench(d, s, causal):
     """Backward only (the forward is outside the timed region); 16k tokens, h*d = 2048."""
@@ -141,43 +116,11 @@ def bench(d, s, causal):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--no-time", action="store_true")
-    p.add_argument("--only", default=None, help="run the cases whose tag contains this")
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--case-seconds", type=float, default=120.0)
-    p.add_argument("--list", action="store_true")
+    add_arguments(p)
     args = p.parse_args()
-    all_cases = cases()
+    run_cases([(tag(c), lambda c=c: check(c)) for c in cases()], args)
     if args.list:
-        for i, c in enumerate(all_cases):
-            print(i, tag(c))
         return
-    passed = failed = 0
-    for i in range(args.start, len(all_cases)):
-        c = all_cases[i]
-        if args.only and args.only not in tag(c):
-            continue
-        watchdog = threading.Timer(args.case_seconds, lambda i=i, c=c: (
-            print(f"HANG [{i}] {tag(c)} (> {args.case_seconds}s); restarting", flush=True),
-            restart_from(i + 1, args)))
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            info = check(c)
-            print(f"PASS [{i}] {tag(c)} {info}", flush=True)
-            passed += 1
-        except Exception as e:  # noqa: BLE001  (AssertionError, compile or CUDA errors)
-            failed += 1
-            print(f"FAIL [{i}] {tag(c)}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-            if not isinstance(e, AssertionError):
-                traceback.print_exc(limit=3)
-            if not context_alive():
-                watchdog.cancel()
-                print(f"CUDA context lost; segment summary: {passed} passed, {failed} failed; "
-                      f"restarting at case {i + 1}", flush=True)
-                restart_from(i + 1, args)
-        finally:
-            watchdog.cancel()
-    print(f"segment summary: {passed} passed, {failed} failed", flush=True)
     if not args.no_time:
         for d, s, causal in [(128, 16384, False), (128, 16384, True), (128, 4096, False),
                              (128, 4096, True), (128, 1024, True), (64, 4096, False),

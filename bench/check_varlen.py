@@ -15,14 +15,11 @@ with NaN before each call, so rows the kernel forgets show up; cases marked ``na
 in every q/k/v row past seqused (an uninitialised KV cache), which must reach no output.
 """
 import argparse
-import os
-import sys
-import threading
-import traceback
 
 import torch
 
-from check_fwd import timeit  # bench/ is on sys.path when run as a script
+from case_runner import add_arguments, run_cases  # bench/ is on sys.path as a script
+from check_fwd import timeit
 from flash_cute import dispatch, flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference import attention_ref, check_close
 
@@ -146,25 +143,6 @@ def check_no_recompile():
     return f"cache grew by {grown}"
 
 
-def context_alive():
-    try:
-        torch.ones(1, device="cuda").add_(1)
-        torch.cuda.synchronize()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def restart_from(i):
-    sys.stdout.flush()
-    argv = list(sys.argv[1:])
-    if "--start" in argv:
-        j = argv.index("--start")
-        del argv[j:j + 2]
-    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *argv,
-                              "--start", str(i)])
-
-
 def bench(d, seqlen, causal):
     """Equal-length sequences, varlen vs batched: the cost of the varlen path (16k tokens)."""
     b, h = 16384 // seqlen, 2048 // d
@@ -183,45 +161,12 @@ def bench(d, seqlen, causal):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--time", action="store_true")
-    p.add_argument("--only", default=None, help="run the cases whose tag contains this")
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--case-seconds", type=float, default=120.0)
-    p.add_argument("--list", action="store_true")
+    add_arguments(p)
     args = p.parse_args()
     named = [(tag(c), lambda c=c: check(c)) for c in cases()]
     named += [("gradients (autograd)", check_grads), ("no recompile", check_no_recompile)]
-    if args.list:
-        for i, (name, _) in enumerate(named):
-            print(i, name)
-        return
-    passed = failed = 0
-    for i in range(args.start, len(named)):
-        name, fn = named[i]
-        if args.only and args.only not in name:
-            continue
-        watchdog = threading.Timer(args.case_seconds, lambda i=i, name=name: (
-            print(f"HANG [{i}] {name} (> {args.case_seconds}s); restarting", flush=True),
-            restart_from(i + 1)))
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            info = fn()
-            print(f"PASS [{i}] {name} {info}", flush=True)
-            passed += 1
-        except Exception as e:  # noqa: BLE001  (AssertionError, compile or CUDA errors)
-            failed += 1
-            print(f"FAIL [{i}] {name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-            if not isinstance(e, AssertionError):
-                traceback.print_exc(limit=3)
-            if not context_alive():
-                watchdog.cancel()
-                print(f"CUDA context lost; segment summary: {passed} passed, {failed} failed; "
-                      f"restarting at case {i + 1}", flush=True)
-                restart_from(i + 1)
-        finally:
-            watchdog.cancel()
-    print(f"segment summary: {passed} passed, {failed} failed", flush=True)
-    if args.time:
+    run_cases(named, args)
+    if args.time and not args.list:
         for d, s, causal in [(128, 1024, False), (128, 1024, True), (128, 4096, True),
                              (64, 2048, False), (256, 2048, True)]:
             bench(d, s, causal)

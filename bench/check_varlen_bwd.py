@@ -17,15 +17,11 @@ out exactly 0). Extra cases: deterministic runs bit-identical, each sequence alo
 batched backward (same numbers), the autograd path (flash_attn_varlen_func), no recompile.
 """
 import argparse
-import os
-import sys
-import threading
-import time
-import traceback
 
 import torch
 
-from check_varlen import context_alive, cu, unused_rows  # bench/ is on sys.path as a script
+from case_runner import add_arguments, run_cases  # bench/ is on sys.path as a script
+from check_varlen import cu, unused_rows
 from flash_cute import backward, dispatch, flash_attn_varlen_func
 from flash_cute.reference import attention_ref, check_grads_close
 
@@ -183,60 +179,10 @@ def check(c):
     raise ValueError(c["kind"])
 
 
-def restart_from(i):
-    sys.stdout.flush()
-    argv = list(sys.argv[1:])
-    if "--start" in argv:
-        j = argv.index("--start")
-        del argv[j:j + 2]
-    os.execv(sys.executable, [sys.executable, os.path.abspath(__file__), *argv,
-                              "--start", str(i)])
-
-
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--only", default=None, help="run the cases whose tag contains this")
-    p.add_argument("--start", type=int, default=0)
-    p.add_argument("--case-seconds", type=float, default=90.0)
-    p.add_argument("--list", action="store_true")
-    args = p.parse_args()
-    all_cases = cases()
-    if args.list:
-        for i, c in enumerate(all_cases):
-            print(i, tag(c))
-        return
-    passed = failed = 0
-    t_start = time.perf_counter()
-    for i in range(args.start, len(all_cases)):
-        c = all_cases[i]
-        name = tag(c)
-        if args.only and args.only not in name:
-            continue
-        watchdog = threading.Timer(args.case_seconds, lambda i=i, name=name: (
-            print(f"HANG [{i}] {name} (> {args.case_seconds}s); restarting", flush=True),
-            restart_from(i + 1)))
-        watchdog.daemon = True
-        watchdog.start()
-        t0 = time.perf_counter()
-        try:
-            info = check(c)
-            print(f"PASS [{i}] {name} {info} ({time.perf_counter() - t0:.1f}s)", flush=True)
-            passed += 1
-        except Exception as e:  # noqa: BLE001  (AssertionError, compile or CUDA errors)
-            failed += 1
-            print(f"FAIL [{i}] {name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-            if not isinstance(e, AssertionError):
-                traceback.print_exc(limit=3)
-            if not context_alive():
-                watchdog.cancel()
-                print(f"CUDA context lost; segment summary: {passed} passed, {failed} failed; "
-                      f"restarting at case {i + 1}", flush=True)
-                restart_from(i + 1)
-        finally:
-            watchdog.cancel()
-    print(f"segment summary: {passed} passed, {failed} failed "
-          f"({time.perf_counter() - t_start:.0f}s)", flush=True)
-
+    add_arguments(p, case_seconds=90.0)
+    run_cases([(tag(c), lambda c=c: check(c)) for c in cases()], p.parse_args())
 
 if __name__ == "__main__":
     main()
