@@ -7,8 +7,8 @@ tests/test_gpu.py gradient tests); timings in docs/performance.md.
 
     1. bwd_pre   D = rowsum(dO o O), LSE_log2 = LSE * log2(e) (+inf on empty/padding rows),
                  dQaccum = 0                                  kernels/sm90/bwd_pre.py
-    2. bwd       one CTA per (key block, query head, batch): dK, dV in registers, dQ partials
-                 red.add'ed into dQaccum                       kernels/sm90/bwd.py
+    2. bwd       one CTA per (key block, query head, batch): dK, dV in registers, one dQ
+                 tile per query block bulk-reduced into dQaccum kernels/sm90/bwd.py
     3. bwd_post  dq = softmax_scale * dQaccum; GQA: dk, dv = sum over the query heads of a
                  KV head of the per-query-head fp32 dK, dV     kernels/sm90/bwd_post.py
 
