@@ -1,9 +1,10 @@
 """``python -m flash_cute``: what this machine is, and whether flash_cute works on it.
 
-With a GPU: the environment, a quick correctness check against the fp32 oracle (exit 1 if any
-shape fails), then a short benchmark (``flash_cute.bench --quick``).
-Without one: the environment, then compiles the kernels for sm_90a (``CUTE_DSL_ARCH``) so the
-JIT cache is warm when the code reaches a GPU machine that shares the cache directory.
+With a GPU: the environment, a quick check of the forward and the gradients against the fp32
+oracle (exit 1 if any shape fails), then a short benchmark (``flash_cute.bench --quick``).
+Without one: the environment, then compiles the forward kernels for sm_90a (``CUTE_DSL_ARCH``)
+so the JIT cache is warm when the code reaches a GPU machine that shares the cache directory
+(the backward kernels are compiled and SASS-checked by the test suite).
 
 Options: --no-check, --no-bench, --bench-out PATH (JSON of the short benchmark), --no-compile.
 """
@@ -69,21 +70,23 @@ def report_environment() -> dict:
 
 
 def report_kernels(env: dict) -> None:
+    from flash_cute.config import BWD_SUPPORTED_HEAD_DIMS
+    bwd = f"fused backward d in {BWD_SUPPORTED_HEAD_DIMS} (others: fp32 recompute)"
     if not env["cuda_available"]:
-        print("kernels: SM90 forward: compile-only here (no GPU)")
+        print(f"kernels: SM90 forward and {bwd}: compile-only here (no GPU)")
         return
     cap = tuple(env.get("capability") or ())
     sm90 = cap == (9, 0)
-    print(f"kernels: SM90 forward: {'yes' if sm90 else 'no'}"
+    print(f"kernels: SM90 forward and {bwd}: {'yes' if sm90 else 'no'}"
           + ("" if sm90 else f" (needs compute capability 9.0, this GPU is {cap})"))
 
 
 def check_correctness() -> bool:
-    """flash_cute vs the oracle on CHECK_SHAPES. Returns False if any shape fails.
-
-    A shape the package cannot run yet (NotImplementedError) is reported, not failed."""
+    """flash_cute vs the oracle on CHECK_SHAPES, forward and gradients. Returns False if any
+    shape fails. A shape the package cannot run yet (NotImplementedError) is reported, not
+    failed."""
     from flash_cute import flash_attn_func
-    from flash_cute.reference import attention_ref, check_close
+    from flash_cute.reference import attention_ref, check_close, check_grads_close
     ok = True
     print("correctness vs fp32 oracle (bf16):")
     for b, sq, sk, h, hk, d, causal in CHECK_SHAPES:
@@ -92,14 +95,19 @@ def check_correctness() -> bool:
         q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                 for _ in range(2))
+        dout = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         try:
-            out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out, lse, _ = flash_attn_func(*leaves, causal=causal, return_attn_probs=True)
+            grads = torch.autograd.grad(out, leaves, dout)
             torch.cuda.synchronize()
             ref, ref_lse = attention_ref(q, k, v, causal=causal)
             low, low_lse = attention_ref(q, k, v, causal=causal, upcast=False)
             check_close(out, ref, low, name="out")
             check_close(lse, ref_lse, low_lse, name="lse")
-            print(f"{name}: PASS")
+            check_grads_close(grads, *(_oracle_grads(q, k, v, dout, causal, up)
+                                       for up in (True, False)))
+            print(f"{name}: PASS (out, lse, dq, dk, dv)")
         except NotImplementedError as e:
             print(f"{name}: N/A ({e})")
         except AssertionError as e:
@@ -109,6 +117,14 @@ def check_correctness() -> bool:
             ok = False
             print(f"{name}: FAIL {type(e).__name__}: {e}")
     return ok
+
+
+def _oracle_grads(q, k, v, dout, causal, upcast):
+    from flash_cute.reference import attention_ref
+    with torch.enable_grad():
+        leaves = [(t.float() if upcast else t).detach().requires_grad_() for t in (q, k, v)]
+        out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
+        return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
 
 
 def compile_for_arch() -> bool:
