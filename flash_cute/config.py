@@ -22,10 +22,18 @@ class FwdSm90Config:
     # without it and compile clean with it. Timed on the H200: +2-7% at d=64, mixed at d=128
     # (-2% non-causal, +4% causal), -5..-9% at d=256; on for d=64 only.
     packed_p_cvt: bool = False
+    # About one CTA per SM, each walking tiles (common/scheduler.py) instead of one tile per CTA:
+    # the next tile's Q and K/V loads overlap this tile's epilogue. Batched only. Experimental,
+    # not timed yet (docs/performance.md, "Persistent forward").
+    persistent: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg != 2:
             raise ValueError("pingpong needs exactly 2 consumer warpgroups")
+        if self.pingpong and self.persistent:
+            # Each tile would restart the turn-taking on barriers still holding the last
+            # tile's final turn.
+            raise ValueError("pingpong and persistent cannot be combined")
 
     @property
     def tile_m(self):

@@ -90,7 +90,8 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen)
     tensors, varlen_args = _fake_args(dtype_name, d, varlen)
-    args = (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args)
+    max_ctas = cutlass.Int32(1) if cfg.persistent else None  # a runtime value: any SM count
+    args = (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args, max_ctas)
     return compile_kernel(kernel, args, keep_cubin)
 
 
