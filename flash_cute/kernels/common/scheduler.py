@@ -68,17 +68,15 @@ def current_tile(num_m_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int
 # on the tile sequence without talking to each other.
 @cute.jit
 def first_tile():
-    """(round, tile) of this CTA's first tile; round 0 goes forward."""
-    return Int32(0), Int32(cute.arch.block_idx()[0])
+    return Int32(cute.arch.block_idx()[0])
 
 
 @cute.jit
-def next_tile(rnd: Int32, tile: Int32):
-    """(round, tile) after ``tile``: the same position counted from the other end of the next
-    round. tile = rnd * G + c (even rnd) or rnd * G + G - 1 - c (odd): the step is 2G - 1 - 2c
-    after an even round and 1 + 2c after an odd one. Tiles only grow, so a CTA whose tile is
-    past the end is done."""
+def next_tile(tile: Int32):
+    """The tile after ``tile``: the same position counted from the other end of the next round.
+    In round r, CTA c has tile r * G + c (even r) or r * G + G - 1 - c (odd r), so the step is
+    2 (G - c) - 1 after an even round and 2 c + 1 after an odd one. Tiles only grow: a CTA whose
+    tile is past the end is done."""
     grid = cute.arch.grid_dim()[0]
     cta = cute.arch.block_idx()[0]
-    step = 2 * (grid - cta) - 1 if rnd % 2 == 0 else 2 * cta + 1
-    return rnd + 1, tile + step
+    return tile + (2 * (grid - cta) - 1 if (tile // grid) % 2 == 0 else 2 * cta + 1)

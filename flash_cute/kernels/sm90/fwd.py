@@ -23,10 +23,17 @@ seqused_k), and Q rows past seqlen_q are never stored: O leaves through predicat
 stores from sO instead of a TMA box that would overwrite the next sequence. A sequence with no
 keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = -inf.
 
+Persistent (``cfg.persistent``, batched only; off by default): the grid is min(tiles, SMs),
+and the load warp and every consumer warp walk the same tile sequence (common/scheduler.py:
+first_tile / next_tile, L2 sections, longest first), each carrying its pipeline states from
+tile to tile. The next tile's first K block loads under this tile's epilogue; its Q waits until
+the O store has read sO, which aliases sQ.
+
 Pipelines (cutlass.pipeline.PipelineTmaAsync: full barrier = 1 producer arrive + TMA bytes,
 empty barrier = one arrive per consumer warp):
 
-    pipe_q  load -> 4n consumer warps, 1 stage
+    pipe_q  load -> 4n consumer warps, 1 stage  (persistent: released by warp 4 alone, once its
+                                                 TMA store of O has read sO)
     pipe_k  load -> 4n consumer warps, kv_stages
     pipe_v  load -> 4n consumer warps, kv_stages  (separate from K so QK^T starts before V lands)
 
@@ -231,35 +238,32 @@ class FlashFwdSm90:
             # Persistent (batched only): the load warp and the consumers walk the same tiles,
             # each carrying its pipeline states from one tile to the next.
             num_tiles = scheduler.num_tiles(num_m_blocks, nheads * num_batch)
-            seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+            blocks = lambda m_block: block_info.n_block_max(  # noqa: E731
+                m_block, self.tile_m, self.tile_n, mQ.shape[0], mK.shape[0], self.causal)
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(REGISTER_SPLIT[self.num_wg][0])
                 if warp_idx == 0:
                     q, kv = self.pipeline_states(pipeline.PipelineUserType.Producer)
-                    rnd, tile = scheduler.first_tile()
+                    tile = scheduler.first_tile()
                     while tile < num_tiles:
                         m_block, head, batch = scheduler.tile_coords(tile, *order)
                         head_kv = head // (nheads // mK.shape[2])
                         q, kv = self.load(
                             mQ[None, None, head, batch], mK[None, None, head_kv, batch],
                             mV[None, None, head_kv, batch], sQ, sK, sV, tma_q, tma_k, tma_v,
-                            pipe_q, pipe_k, pipe_v, m_block,
-                            block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q,
-                                                   seqlen_k, self.causal), q, kv)
-                        rnd, tile = scheduler.next_tile(rnd, tile)
+                            pipe_q, pipe_k, pipe_v, m_block, blocks(m_block), q, kv)
+                        tile = scheduler.next_tile(tile)
             else:
                 cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
                 q, kv = self.pipeline_states(pipeline.PipelineUserType.Consumer)
-                rnd, tile = scheduler.first_tile()
+                tile = scheduler.first_tile()
                 while tile < num_tiles:
                     m_block, head, batch = scheduler.tile_coords(tile, *order)
                     q, kv = self.consume(
                         mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k, pipe_v,
-                        scale_log2, m_block, head, batch,
-                        block_info.n_block_max(m_block, self.tile_m, self.tile_n, seqlen_q,
-                                               seqlen_k, self.causal),
+                        scale_log2, m_block, head, batch, blocks(m_block),
                         SeqlenInfo.create(batch, mQ, mK), q, kv)
-                    rnd, tile = scheduler.next_tile(rnd, tile)
+                    tile = scheduler.next_tile(tile)
 
     def pipeline_states(self, user_type):
         """(Q, K/V) pipeline states at their first stage. K and V advance together: block i
