@@ -4,9 +4,10 @@ A tile is one block of rows (query rows in the forward, key rows in the backward
 (batch, head). The (batch x head) pairs are cut into sections of ``heads_per_section`` heads
 (chosen on the host by ``flash_cute.config.heads_per_section``) whose K and V fit in L2
 together; a section's tiles come before the next section's. Inside a section the heads vary
-fastest, so tiles running at the same time share a few heads' K/V in L2. With ``longest_first``
-(causal) the blocks go from last to first: the tiles with the most work start first
-(longest-processing-time first), and the short ones fill the tail.
+fastest, so tiles running at the same time share a few heads' K/V in L2. ``longest_first``
+reverses the blocks, last to first: in the causal forward the last query blocks see the most
+keys, so the longest tiles start first (longest-processing-time first) and the short ones fill
+the tail. (A causal backward, whose first key blocks are the longest, leaves it off.)
 
 Two launches of the same order:
 
@@ -68,6 +69,7 @@ def current_tile(num_m_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int
 # on the tile sequence without talking to each other.
 @cute.jit
 def first_tile():
+    """This CTA's first tile: its position in round 0."""
     return Int32(cute.arch.block_idx()[0])
 
 
