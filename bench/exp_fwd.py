@@ -1,70 +1,78 @@
 """Experiment harness: time forward-kernel variants side by side (one process, one GPU).
 
-    python bench/exp_fwd.py
+    python bench/exp_fwd.py [--variants base persistent] [--shapes long short]
 A variant is a config override plus an optional scheduler section size ("section": 1 gives the
 m-block-fastest order, "all" one section of every head). Variants are timed interleaved over
 several rounds and the median per variant is printed, so clock and neighbour drift hit all alike.
-Every variant is checked against the oracle first.
+Every variant is checked against the oracle first. A variant whose overrides are None at some d
+(persistent: where it does not compile clean) is skipped there.
 """
-import dataclasses
+import argparse
 import math
 
-import cutlass
-import cutlass.cute as cute
 import torch
 
 from check_fwd import timeit
 from flash_cute import dispatch
-from flash_cute.config import FwdSm90Config, heads_per_section
-from flash_cute.kernels.sm90.fwd import FlashFwdSm90
+from flash_cute.config import heads_per_section, persistent_fwd_overrides
 from flash_cute.reference import attention_ref, check_close
 
 VARIANTS = {
-    "base": {},
-    "packed_p": {"packed_p_cvt": True},
-    "3wg_192x128_packed": {"num_consumer_wg": 3, "packed_p_cvt": True},  # d=64 only
+    "base": lambda d, causal: {},
+    "packed_p": lambda d, causal: {"packed_p_cvt": True},
+    "3wg_192x128_packed": lambda d, causal: (
+        {"num_consumer_wg": 3, "packed_p_cvt": True} if d == 64 else None),
+    # One CTA per SM walking the tiles; the shipped P conversion where that compiles clean, else
+    # the packed one (compare with packed_p there; config.persistent_fwd_overrides).
+    "persistent": persistent_fwd_overrides,
 }
-SHAPES = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True),
-          (256, 4096, False), (256, 16384, True)]
+SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
+    "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True),
+             (256, 4096, False), (256, 16384, True)],
+    # Few key blocks per tile: the per-tile prologue/epilogue and the grid tail weigh most.
+    "short": [(64, 512, False), (64, 1024, True), (128, 512, False), (128, 1024, True),
+              (128, 2048, True), (256, 1024, True)],
+}
 ROUNDS = 5
+CHECK_CTAS = 7
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+ap.add_argument("--shapes", nargs="+", default=["long"], choices=list(SHAPES))
+args = ap.parse_args()
 
 
-def compile_variant(d, causal, **kw):
-    cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **kw)
-    kernel = FlashFwdSm90(cutlass.BFloat16, cfg, causal)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    tensors, varlen_args = dispatch._fake_args("BFloat16", d)
-    return cute.compile(kernel, *tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args,
-                        stream, options="--enable-tvm-ffi")
-
-
-def run(compiled, q, k, v, section=None):
+def run(compiled, q, k, v, section=None, ctas=None):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
     num_hb = q.shape[0] * q.shape[2]
     sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb), "all": num_hb}.get(
         section, section)
     compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), sec,
-             None, None, None, None, None)  # batched: no varlen arguments
+             None, None, None, None, None, ctas)  # batched: no varlen arguments
     return out
 
 
-for d, s, causal in SHAPES:
+for d, s, causal in [shape for name in args.shapes for shape in SHAPES[name]]:
     b, h = 16384 // s, 2048 // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * b * s * s * h * d / (2 if causal else 1)
     fns = {}
-    for name, kw in VARIANTS.items():
-        if "num_consumer_wg" in kw and d != 64:
+    for name in args.variants:
+        kw = VARIANTS[name](d, causal)
+        if kw is None:
             continue
         kw = dict(kw)
         section = kw.pop("section", None)
-        comp = compile_variant(d, causal, **kw)
+        ctas = dispatch.num_sms(q.device) if kw.get("persistent") else None
+        comp = dispatch._compile_fwd(dispatch.DEFAULT_ARCH, "BFloat16", d, causal, **kw)
         qs, ks, vs = (t[:2, :777] for t in (q, k, v))
         ref, _ = attention_ref(qs, ks, vs, causal=causal)
         low, _ = attention_ref(qs, ks, vs, causal=causal, upcast=False)
-        check_close(run(comp, qs, ks, vs, section), ref, low)
-        fns[name] = (lambda comp=comp, section=section: run(comp, q, k, v, section))
+        # Persistent: checked with a few CTAs (7: uneven rounds), so each walks many tiles.
+        check_close(run(comp, qs, ks, vs, section, ctas and CHECK_CTAS), ref, low)
+        fns[name] = (lambda comp=comp, section=section, ctas=ctas:
+                     run(comp, q, k, v, section, ctas))
     times = {n: [] for n in fns}
     for _ in range(ROUNDS):
         for n, fn in fns.items():

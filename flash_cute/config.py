@@ -22,10 +22,18 @@ class FwdSm90Config:
     # without it and compile clean with it. Timed on the H200: +2-7% at d=64, mixed at d=128
     # (-2% non-causal, +4% causal), -5..-9% at d=256; on for d=64 only.
     packed_p_cvt: bool = False
+    # About one CTA per SM, each walking tiles (common/scheduler.py) instead of one tile per CTA:
+    # the next tile's Q and K/V loads overlap this tile's epilogue. Batched only. Experimental,
+    # not timed yet (docs/performance.md, "Persistent forward").
+    persistent: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg != 2:
             raise ValueError("pingpong needs exactly 2 consumer warpgroups")
+        if self.pingpong and self.persistent:
+            # Each tile would restart the turn-taking on barriers still holding the last
+            # tile's final turn.
+            raise ValueError("pingpong and persistent cannot be combined")
 
     @property
     def tile_m(self):
@@ -39,6 +47,32 @@ class FwdSm90Config:
         if d == 64:
             return FwdSm90Config(head_dim=d, tile_n=tile_n, num_consumer_wg=3, packed_p_cvt=True)
         return FwdSm90Config(head_dim=d, tile_n=tile_n)
+
+
+# Persistent forward: the config overrides per (head dim, causal) under which it compiles clean
+# (no spills, no wgmma serialized; docs/performance.md, "Persistent forward"), the shipped P
+# conversion wherever that is clean. Not timed yet.
+PACKED = {"packed_p_cvt": True}
+PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
+                  (128, False): PACKED, (128, True): {}, (192, False): PACKED, (192, True): {},
+                  (256, False): PACKED, (256, True): {}}
+
+
+def persistent_fwd_overrides(d: int, causal: bool):
+    """FwdSm90Config overrides of the persistent forward, or None where it has none."""
+    extra = PERSISTENT_FWD.get((d, bool(causal)))
+    return None if extra is None else {"persistent": True, **extra}
+
+
+def use_persistent_fwd(num_tiles: int, num_sms: int) -> bool:
+    """Per-call choice (the SM90 forward fills an SM with one CTA): persistent only with more
+    than one wave of tiles. With at most one tile per SM both launches run the same tiles and
+    the persistent one has nothing to overlap. Past one wave it saves each later tile the CTA
+    start (barrier init, register reallocation) and loads its first K block under the previous
+    tile's epilogue; against that, its tiles are dealt statically, where the hardware hands the
+    one-tile CTAs to whichever SM frees first (the scheduler's alternating rounds even out the
+    longest-first tiles, not the run-time jitter)."""
+    return num_tiles > num_sms
 
 
 L2_BYTES_FOR_KV = 50 * 1024 * 1024  # H200 L2 is 60 MB (H100 50 MB); leave room for Q and O

@@ -19,12 +19,17 @@ import time
 
 import torch
 
-from .config import SUPPORTED_HEAD_DIMS, FwdSm90Config, heads_per_section
+from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, heads_per_section,
+                     persistent_fwd_overrides, use_persistent_fwd)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
 _cache: dict = {}
 _cache_lock = threading.Lock()
+# The persistent forward is an experiment, not timed yet: only this variable turns it on.
+# "1": where config.use_persistent_fwd says, one CTA per SM; "ctas=N": on every batched call
+# at a head dim it supports, N CTAs (tests: long tile walks on small problems).
+PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 
 
 def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
@@ -90,7 +95,8 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen)
     tensors, varlen_args = _fake_args(dtype_name, d, varlen)
-    args = (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args)
+    max_ctas = cutlass.Int32(1) if cfg.persistent else None  # a runtime value: any SM count
+    args = (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args, max_ctas)
     return compile_kernel(kernel, args, keep_cubin)
 
 
@@ -115,11 +121,13 @@ def compile_kernel(fn, args, keep=False):
     return cute.compile(fn, *args, stream, options="--enable-tvm-ffi")
 
 
-def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False):
-    key = ("fwd", arch, dtype_name, d, causal, varlen)
+def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
+                   persistent: bool = False):
+    key = ("fwd", arch, dtype_name, d, causal, varlen) + (("persistent",) if persistent else ())
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen)
+            overrides = persistent_fwd_overrides(d, causal) if persistent else {}
+            _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, **overrides)
         return _cache[key]
 
 
@@ -139,6 +147,25 @@ def compile_all_variants(arch: str = DEFAULT_ARCH, variants=None):
         name = f"fwd_sm90_{dt}_d{d}{'_causal' if c else ''}{'_varlen' if varlen else ''}"
         done.append((name, time.perf_counter() - t0))
     return done
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int):
+    """The persistent kernel's CTA budget (SMs x 1 CTA per SM: every forward tile fills an
+    SM's registers) when this call should run it, else None."""
+    mode = os.environ.get(PERSISTENT_FWD_ENV, "0")
+    overrides = persistent_fwd_overrides(d, causal)
+    if mode == "0" or overrides is None:
+        return None
+    if mode.startswith("ctas="):
+        return int(mode[len("ctas="):])
+    tile_m = dataclasses.replace(FwdSm90Config.for_head_dim(d), **overrides).tile_m
+    sms = num_sms(device)
+    return sms if use_persistent_fwd(-(-seqlen_q // tile_m) * num_hb, sms) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,9 +205,12 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         lse.fill_(-math.inf)
         return out, lse
     arch = _device_arch(q.device)
-    kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal))
+    ctas = _persistent_ctas(q.device, d, causal, sq, b * h)
+    kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
+                            persistent=ctas is not None)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           heads_per_section(sk, d, q.element_size(), b * h), None, None, None, None, None)
+           heads_per_section(sk, d, q.element_size(), b * h), None, None, None, None, None,
+           ctas)
     return out, lse
 
 
@@ -212,7 +242,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     grid_rows = min(max_seqlen_q, total_q)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            heads_per_section(max_seqlen_k, d, q.element_size(), batch * h), cu_seqlens_q,
-           cu_seqlens_k, used_q, used_k, grid_rows)
+           cu_seqlens_k, used_q, used_k, grid_rows, None)
     return out, lse
 
 

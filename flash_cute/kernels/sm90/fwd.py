@@ -23,10 +23,17 @@ seqused_k), and Q rows past seqlen_q are never stored: O leaves through predicat
 stores from sO instead of a TMA box that would overwrite the next sequence. A sequence with no
 keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = -inf.
 
+Persistent (``cfg.persistent``, batched only; off by default): the grid is min(tiles, SMs),
+and the load warp and every consumer warp walk the same tile sequence (common/scheduler.py:
+first_tile / next_tile, L2 sections, longest first), each carrying its pipeline states from
+tile to tile. The next tile's first K block loads under this tile's epilogue; its Q waits until
+the O store has read sO, which aliases sQ.
+
 Pipelines (cutlass.pipeline.PipelineTmaAsync: full barrier = 1 producer arrive + TMA bytes,
 empty barrier = one arrive per consumer warp):
 
-    pipe_q  load -> 4n consumer warps, 1 stage
+    pipe_q  load -> 4n consumer warps, 1 stage  (persistent: released by warp 4 alone, once its
+                                                 TMA store of O has read sO)
     pipe_k  load -> 4n consumer warps, kv_stages
     pipe_v  load -> 4n consumer warps, kv_stages  (separate from K so QK^T starts before V lands)
 
@@ -92,6 +99,8 @@ class FlashFwdSm90:
         if self.num_wg not in REGISTER_SPLIT:
             raise ValueError(f"num_consumer_wg must be one of {sorted(REGISTER_SPLIT)}, "
                              f"got {self.num_wg}")
+        if cfg.persistent and varlen:
+            raise NotImplementedError("persistent forward: varlen is not supported (batched only)")
         self.num_threads = WG_THREADS * (1 + self.num_wg)
         self.num_consumer_threads = WG_THREADS * self.num_wg
 
@@ -101,10 +110,12 @@ class FlashFwdSm90:
                  mLSE: cute.Tensor, scale_log2: Float32, heads_per_section: Int32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-                 max_seqlen_q: Optional[Int32], stream: cuda.CUstream):
+                 max_seqlen_q: Optional[Int32], max_ctas: Optional[Int32],
+                 stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the five
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
-        (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_q sizes the grid."""
+        (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_q sizes the grid.
+        max_ctas: persistent only (else None), the most CTAs that run at once (SMs x 1)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -153,12 +164,14 @@ class FlashFwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN]
 
         self.shared_storage = SharedStorage
+        grid = scheduler.grid_shape(num_m_blocks, mQ.shape[2], num_batch)
+        if const_expr(self.cfg.persistent):
+            grid = scheduler.persistent_grid(grid[0], max_ctas)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, tma_q, tma_k, tma_v, tma_o,
                     scale_log2, heads_per_section, sQ_layout, sK_layout, sV_layout, mma_qk,
                     mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                     num_m_blocks if const_expr(self.varlen) else None).launch(
-            grid=scheduler.grid_shape(num_m_blocks, mQ.shape[2], num_batch),
-            block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------------------- device
     @cute.kernel
@@ -178,8 +191,11 @@ class FlashFwdSm90:
                     cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        # Persistent: Q is released by the one warp that stores O (sO aliases sQ).
+        q_releasers = (1,) if const_expr(self.cfg.persistent) else ()
         pipe_q, pipe_k, pipe_v = make_tma_pipelines(
-            [(storage.mbar_q, 1, self.q_bytes), (storage.mbar_k, self.cfg.kv_stages, self.kv_bytes),
+            [(storage.mbar_q, 1, self.q_bytes, *q_releasers),
+             (storage.mbar_k, self.cfg.kv_stages, self.kv_bytes),
              (storage.mbar_v, self.cfg.kv_stages, self.kv_bytes)], self.num_wg * 4)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -190,34 +206,79 @@ class FlashFwdSm90:
             num_m_blocks, num_batch = num_m_blocks_varlen, mCuSeqlensQ.shape[0] - 1
         else:
             num_m_blocks, num_batch = cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[3]
-        m_block, head, batch = scheduler.current_tile(
-            num_m_blocks, mQ.shape[2], mQ.shape[2] * num_batch, heads_per_section,
-            self.causal and self.cfg.longest_first)
-        seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
-        # Varlen: the grid covers the longest sequence; a shorter one's extra tiles have no rows.
-        # Uniform over the CTA, so every warp leaves together and no pipeline is left waiting.
-        has_rows = True if const_expr(not self.varlen) else m_block * self.tile_m < seq.seqlen_q
-        if has_rows:
-            n_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q,
-                                           seq.seqlen_k, self.causal)
+        nheads = mQ.shape[2]
+        order = (num_m_blocks, nheads, nheads * num_batch, heads_per_section,
+                 self.causal and self.cfg.longest_first)
+        if const_expr(not self.cfg.persistent):
+            m_block, head, batch = scheduler.current_tile(*order)
+            seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
+                                    mSeqUsedK)
+            # Varlen: the grid covers the longest sequence; a shorter one's extra tiles have no
+            # rows. Uniform over the CTA, so every warp leaves together and no pipeline is left
+            # waiting.
+            has_rows = (True if const_expr(not self.varlen)
+                        else m_block * self.tile_m < seq.seqlen_q)
+            if has_rows:
+                n_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q,
+                                               seq.seqlen_k, self.causal)
+                if warp_idx // 4 == 0:
+                    cute.arch.setmaxregister_decrease(REGISTER_SPLIT[self.num_wg][0])
+                    if warp_idx == 0:
+                        head_kv = head // (nheads // mK.shape[2])
+                        self.load(seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
+                                  seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k,
+                                  tma_v, pipe_q, pipe_k, pipe_v, m_block, n_max,
+                                  *self.pipeline_states(pipeline.PipelineUserType.Producer))
+                else:
+                    cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
+                    self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k,
+                                 pipe_v, scale_log2, m_block, head, batch, n_max, seq,
+                                 *self.pipeline_states(pipeline.PipelineUserType.Consumer))
+        else:
+            # Persistent (batched only): the load warp and the consumers walk the same tiles,
+            # each carrying its pipeline states from one tile to the next.
+            num_tiles = scheduler.num_tiles(num_m_blocks, nheads * num_batch)
+            blocks = lambda m_block: block_info.n_block_max(  # noqa: E731
+                m_block, self.tile_m, self.tile_n, mQ.shape[0], mK.shape[0], self.causal)
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(REGISTER_SPLIT[self.num_wg][0])
                 if warp_idx == 0:
-                    head_kv = head // (mQ.shape[2] // mK.shape[2])
-                    self.load(seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
-                              seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k, tma_v,
-                              pipe_q, pipe_k, pipe_v, m_block, n_max)
+                    q, kv = self.pipeline_states(pipeline.PipelineUserType.Producer)
+                    tile = scheduler.first_tile()
+                    while tile < num_tiles:
+                        m_block, head, batch = scheduler.tile_coords(tile, *order)
+                        head_kv = head // (nheads // mK.shape[2])
+                        q, kv = self.load(
+                            mQ[None, None, head, batch], mK[None, None, head_kv, batch],
+                            mV[None, None, head_kv, batch], sQ, sK, sV, tma_q, tma_k, tma_v,
+                            pipe_q, pipe_k, pipe_v, m_block, blocks(m_block), q, kv)
+                        tile = scheduler.next_tile(tile)
             else:
                 cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
-                self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k,
-                             pipe_v, scale_log2, m_block, head, batch, n_max, seq)
+                q, kv = self.pipeline_states(pipeline.PipelineUserType.Consumer)
+                tile = scheduler.first_tile()
+                while tile < num_tiles:
+                    m_block, head, batch = scheduler.tile_coords(tile, *order)
+                    q, kv = self.consume(
+                        mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k, pipe_v,
+                        scale_log2, m_block, head, batch, blocks(m_block),
+                        SeqlenInfo.create(batch, mQ, mK), q, kv)
+                    tile = scheduler.next_tile(tile)
+
+    def pipeline_states(self, user_type):
+        """(Q, K/V) pipeline states at their first stage. K and V advance together: block i
+        of a tile uses the same stage of both."""
+        return (pipeline.make_pipeline_state(user_type, 1),
+                pipeline.make_pipeline_state(user_type, self.cfg.kv_stages))
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
              sK: cute.Tensor, sV: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
-             tma_v: cute.CopyAtom, pipe_q, pipe_k, pipe_v, m_block: Int32, n_max: Int32):
+             tma_v: cute.CopyAtom, pipe_q, pipe_k, pipe_v, m_block: Int32, n_max: Int32, q,
+             kv):
         """Producer: K[last], Q, then K[n-1] ahead of V[n], matching the consumers' order.
-        mQ, mK, mV: (rows, d) views of this tile's head and sequence."""
+        mQ, mK, mV: (rows, d) views of this tile's head and sequence; q, kv: the states of its
+        first Q and K/V stages. Returns those of the next tile."""
         gQ = cute.local_tile(mQ, (self.tile_m, self.d), (m_block, 0))
         gK = cute.local_tile(mK, (self.tile_n, self.d), (None, 0))
         gV = cute.local_tile(mV, (self.tile_n, self.d), (None, 0))
@@ -225,8 +286,6 @@ class FlashFwdSm90:
         tKsK, tKgK = tma_split(tma_k, sK, gK)
         tVsV, tVgV = tma_split(tma_v, sV, gV)
 
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.kv_stages)
-        q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_k.producer_acquire(kv)
         cute.copy(tma_k, tKgK[None, n_max - 1], tKsK[None, kv.index],
                   tma_bar_ptr=pipe_k.producer_get_barrier(kv))
@@ -245,13 +304,18 @@ class FlashFwdSm90:
         pipe_v.producer_acquire(kv)
         cute.copy(tma_v, tVgV[None, 0], tVsV[None, kv.index],
                   tma_bar_ptr=pipe_v.producer_get_barrier(kv))
+        q.advance()
+        kv.advance()
+        return q, kv
 
     @cute.jit
     def consume(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mO: cute.Tensor,
                 mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                 tma_o: Optional[cute.CopyAtom], pipe_q, pipe_k, pipe_v, scale_log2: Float32,
-                m_block: Int32, head: Int32, batch: Int32, n_max: Int32, seq: SeqlenInfo):
-        """Consumer warpgroups: the attention main loop, then the epilogue."""
+                m_block: Int32, head: Int32, batch: Int32, n_max: Int32, seq: SeqlenInfo, q,
+                kv):
+        """Consumer warpgroups: the attention main loop, then the epilogue. q, kv: the states
+        of the tile's first Q and K/V stages; returns those of the next tile."""
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -277,8 +341,6 @@ class FlashFwdSm90:
                                          number_of_threads=2 * WG_THREADS)
 
         # First block (the last key block): always masked, no P V yet.
-        q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.kv_stages)
         pipe_q.consumer_wait(q)
         pipe_k.consumer_wait(kv)
         gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait_group=0)
@@ -309,7 +371,10 @@ class FlashFwdSm90:
         pipe_v.consumer_release(kv)
 
         self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sQ, tma_o, tidx, m_block, head, batch,
-                      seq)
+                      seq, pipe_q, q)
+        q.advance()
+        kv.advance()
+        return q, kv
 
     @cute.jit
     def mma_block(self, n_block: Int32, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ, tSrK, tOrV,
@@ -389,9 +454,10 @@ class FlashFwdSm90:
     def epilogue(self, mma_pv: cute.TiledMma, tOrO: cute.Tensor, softmax: OnlineSoftmax,
                  mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor,
                  tma_o: Optional[cute.CopyAtom], tidx: Int32, m_block: Int32, head: Int32,
-                 batch: Int32, seq: SeqlenInfo):
+                 batch: Int32, seq: SeqlenInfo, pipe_q, q):
         """O / rowsum -> sO (stmatrix) -> TMA store (clips rows past seqlen_q; varlen:
-        predicated row stores); LSE -> global."""
+        predicated row stores); LSE -> global. Persistent: the storing warp frees sQ (= sO) for
+        the next tile's Q once the store has read it."""
         seqlen_q = seq.seqlen_q
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         rescale_rows(tOrO, softmax.finalize(lse))
@@ -432,6 +498,10 @@ class FlashFwdSm90:
                 cute.copy(tma_o, tOsO, tOgO)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(self.cfg.persistent):
+                    # The other warps' last sQ reads (QK^T) precede their sO writes, which
+                    # precede the EPILOGUE barrier: this warp alone may release Q.
+                    pipe_q.consumer_release(q)
 
     @cute.jit
     def store_rows(self, sO: cute.Tensor, gO: cute.Tensor, rows: Int32, tidx: Int32):

@@ -6,18 +6,21 @@ from cutlass.cute.nvgpu import cpasync
 
 
 def make_tma_pipelines(specs, num_consumer_warps: int):
-    """One ``PipelineTmaAsync`` per (mbarrier storage, stages, bytes per stage).
+    """One ``PipelineTmaAsync`` per (mbarrier storage, stages, bytes per stage[, releasing
+    warps]).
 
     A single TMA-issuing thread produces (its arrive plus the transaction bytes complete a
-    stage); lane 0 of each consumer warp releases it. All barriers are initialised first, then
-    fenced and made visible with one CTA barrier.
+    stage); lane 0 of each consumer warp (``num_consumer_warps``, or the spec's own count)
+    releases it. All barriers are initialised first, then fenced and made visible with one CTA
+    barrier.
     """
     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-    consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_warps)
     pipes = [pipeline.PipelineTmaAsync.create(
         barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
-        consumer_group=consumers, tx_count=tx_bytes, defer_sync=True)
-        for mbar, stages, tx_bytes in specs]
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, *(warps or
+                                                                       [num_consumer_warps])),
+        tx_count=tx_bytes, defer_sync=True)
+        for mbar, stages, tx_bytes, *warps in specs]
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
     return pipes
