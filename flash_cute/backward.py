@@ -193,7 +193,9 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             cute.runtime.make_fake_compact_tensor(
                 cutlass.Int32, sem_shape, stride_order=tuple(range(len(sem_shape)))[::-1],
                 assumed_align=4),
-            cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args)
+            cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args,
+            # Persistent: SM count and heads per L2 section, runtime values; else None.
+            *((cutlass.Int32(1),) * 2 if cfg.persistent else (None, None)))
     return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 

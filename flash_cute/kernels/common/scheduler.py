@@ -1,32 +1,82 @@
-"""Maps CTAs to (m_block, head, batch) work tiles, in an L2-friendly, longest-first order.
+"""Maps work tiles (block, head, batch) to CTAs, in an L2-friendly, longest-first order.
 
-The (batch x head) pairs are cut into sections of ``heads_per_section`` heads (chosen on the
-host by ``flash_cute.config.heads_per_section``) whose K and V fit in L2 together; a section's
-tiles are launched before the next section's. Inside a section the heads vary fastest, so CTAs
-running at the same time share a few heads' K/V in L2. For causal
-attention the m blocks go from last to first: the tiles with the most key blocks start first
-(longest-processing-time first), and the short ones fill the tail of the grid.
+A tile is one block (the forward: a query block; the backward: a key block) of one head of
+one batch entry. Tiles are numbered 0 .. num_tiles - 1 and ``tile_coords`` maps a number to
+its coordinates:
+
+- The (batch x head) pairs are cut into sections of ``section`` heads (chosen on the host by
+  ``flash_cute.config.heads_per_section``) whose shared operand fits in L2 (the forward's K/V,
+  the backward's Q/dO/dQaccum); a section's tiles come before the next section's.
+- Inside a section the heads vary fastest, then the block, so tiles running at the same time
+  share a few heads' operands in L2, and for each (head, batch) the blocks come in block order
+  (``reverse_blocks``: descending), each after all lower-numbered tiles of its section.
+- Longest first for causal attention: the caller picks the direction in which blocks get
+  shorter. Forward: the last query blocks see the most key blocks (``reverse_blocks=True``).
+  Backward: the first key blocks see the most query blocks (``reverse_blocks=False``). The
+  long tiles start first and the short ones fill the tail (longest-processing-time first).
+
+Two launch styles share the numbering:
+
+- one CTA per tile: ``grid_shape``; the CTA's tile is ``current_tile`` (= blockIdx.x);
+- persistent: ``persistent_grid`` launches min(num_tiles, num_SMs) CTAs and each walks its
+  tiles with ``for_each_tile``: blockIdx.x, blockIdx.x + gridDim.x, ... Every CTA visits its tiles in
+  increasing tile order, and a tile's CTA has finished all its lower tiles (of that CTA) first.
+  A kernel whose tiles wait on other tiles (the deterministic backward) is deadlock-free when
+  every tile waits only on lower-numbered tiles and all CTAs are resident (grid <= SMs, one
+  CTA per SM): by induction on the tile number, tile t's CTA reaches it after finishing its
+  own lower tiles, and everything t waits on is lower, hence finishes.
 """
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-def grid_shape(num_m_blocks, nheads, batch):
-    return (num_m_blocks * nheads * batch, 1, 1)
+
+def num_tiles(num_blocks, num_hb):
+    """Tiles of ``num_blocks`` blocks over ``num_hb`` = heads * batch (host or device ints)."""
+    return num_blocks * num_hb
+
+
+def grid_shape(num_blocks, nheads, batch):
+    """One CTA per tile."""
+    return (num_tiles(num_blocks, nheads * batch), 1, 1)
+
+
+def persistent_grid(count: Int32, num_sms: Int32):
+    """At most one CTA per SM for ``count`` tiles (the kernels using it fill an SM's shared
+    memory with one CTA)."""
+    return (cutlass.min(count, num_sms), 1, 1)
 
 
 @cute.jit
-def current_tile(num_m_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int32,
-                 longest_first: cutlass.Constexpr[bool]):
-    tile = cute.arch.block_idx()[0]
-    sec_idx = tile // (section * num_m_blocks)
-    in_sec = tile - sec_idx * (section * num_m_blocks)
+def for_each_tile(count: Int32, body, carry):
+    """``carry = body(tile, carry)`` over this CTA's tile numbers under ``persistent_grid``, in
+    increasing order; returns the final carry (pipeline states and the like)."""
+    for tile in cutlass.range(cute.arch.block_idx()[0], count, cute.arch.grid_dim()[0],
+                              unroll=1):
+        carry = body(tile, carry)
+    return carry
+
+
+@cute.jit
+def tile_coords(tile: Int32, num_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int32,
+                reverse_blocks: cutlass.Constexpr[bool]):
+    """(block, head, batch) of tile number ``tile`` (the module docstring's order)."""
+    sec_idx = tile // (section * num_blocks)
+    in_sec = tile - sec_idx * (section * num_blocks)
     # The last section may hold fewer heads.
     width = section if sec_idx < num_hb // section else num_hb - (num_hb // section) * section
-    m_block = in_sec // width
-    hb = sec_idx * section + (in_sec - m_block * width)
+    block = in_sec // width
+    hb = sec_idx * section + (in_sec - block * width)
     batch = hb // nheads
     head = hb - batch * nheads
-    if cutlass.const_expr(longest_first):
-        m_block = num_m_blocks - 1 - m_block
-    return m_block, head, batch
+    if cutlass.const_expr(reverse_blocks):
+        block = num_blocks - 1 - block
+    return block, head, batch
+
+
+@cute.jit
+def current_tile(num_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int32,
+                 reverse_blocks: cutlass.Constexpr[bool]):
+    """The tile of this CTA under ``grid_shape`` (one CTA per tile)."""
+    return tile_coords(cute.arch.block_idx()[0], num_blocks, nheads, num_hb, section,
+                       reverse_blocks)
