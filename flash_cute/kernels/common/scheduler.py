@@ -57,19 +57,18 @@ def for_each_tile(count: Int32, body, carry):
     return carry
 
 
-@cute.jit
 def tile_coords(tile: Int32, num_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int32,
-                reverse_blocks: cutlass.Constexpr[bool]):
-    """(block, head, batch) of tile number ``tile`` (the module docstring's order)."""
+                reverse_blocks: bool):
+    """(block, head, batch) of tile number ``tile`` (the module docstring's order).
+    Branch-free, so it also runs on Python ints (tests/test_scheduler.py)."""
     sec_idx = tile // (section * num_blocks)
     in_sec = tile - sec_idx * (section * num_blocks)
-    # The last section may hold fewer heads.
-    width = section if sec_idx < num_hb // section else num_hb - (num_hb // section) * section
+    width = cutlass.min(section, num_hb - sec_idx * section)  # the last section may be narrower
     block = in_sec // width
     hb = sec_idx * section + (in_sec - block * width)
     batch = hb // nheads
     head = hb - batch * nheads
-    if cutlass.const_expr(reverse_blocks):
+    if reverse_blocks:  # a Python bool
         block = num_blocks - 1 - block
     return block, head, batch
 

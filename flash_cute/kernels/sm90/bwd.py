@@ -1,7 +1,8 @@
 """SM90 (Hopper) attention backward, step 2 of 3: dK, dV per key block, dQ by bulk reductions.
 
 STATUS: checked on the H200: batched (bench/check_bwd.py, 85 cases), varlen
-(bench/check_varlen_bwd.py, 41 cases).
+(bench/check_varlen_bwd.py, 41 cases). The persistent variant (``cfg.persistent``, below) is
+compiled and ptxas-checked only, not yet run on a GPU.
 
 Math (per batch and query head; S = Q K^T unscaled, scale = softmax_scale):
 
@@ -13,41 +14,59 @@ The kernel computes the transposed tiles S^T = K Q^T and dP^T = V dO^T, so the r
 accumulator are keys: P^T and dS^T come out of the wgmma already as the register A operands of
 dV += P^T dO and dK += dS^T Q, and dK / dV never leave registers until the epilogue.
 
-Ownership: one CTA per (key block of TILE_N = 128 keys, query head, batch); it walks the query
-blocks (tile_m = 64 rows) that can see its keys, so dK and dV are complete at the end of the
-CTA (no reduction for them; GQA writes per query head, bwd_post sums the group). dQ for a query
-block gets a contribution from every key block: the mma warpgroups write their dQ partial
-(fp32) to shared memory (sdQ) and the dQ warp adds it to dQaccum with one TMA bulk reduce-add
-per tile (deterministic: in key-block order, behind a semaphore per query block).
+Ownership: a work tile is (key block of TILE_N = 128 keys, query head, batch); its CTA walks the
+query blocks (tile_m = 64 rows) that can see its keys, so dK and dV are complete at the end of
+the tile (no reduction for them; GQA writes per query head, bwd_post sums the group). dQ for
+a query block gets a contribution from every key block: the mma warpgroups write their dQ
+partial (fp32) to shared memory (sdQ) and the dQ warp adds it to dQaccum with one TMA bulk
+reduce-add per query block (deterministic: in key-block order, behind a semaphore per query
+block).
+
+Scheduling: by default one CTA per tile, grid (n_blocks, heads, batch). Persistent
+(``cfg.persistent``): min(tiles, SMs) CTAs, each looping over tiles blockIdx.x, + gridDim.x,
+... in common/scheduler.py order (key blocks ascending = longest first under causal, heads in
+L2 sections); every role walks the same tiles (``each_tile``), so the per-tile protocol below
+repeats, with the cross-tile points noted where they differ.
 
 Warp roles (3 warpgroups, 384 threads):
 
-    WG0  load   warp 0: TMA K and V once; then per query block m: Q[m] + LSE_log2[m] into
-                stage s of pipe_q, dO[m] + D[m] into stage s of pipe_do. setmaxnreg 24.
+    WG0  load   warp 0, per tile: TMA K and V; then per query block m: Q[m] + LSE_log2[m]
+                into stage s of pipe_q, dO[m] + D[m] into stage s of pipe_do. setmaxnreg 24.
     WG1  mma    keys  0..63 of the block  } S^T = K Q^T, dP^T = V dO^T      (SS wgmma)
     WG2  mma    keys 64..127              } P^T, dS^T in registers (exp2 with LSE from smem)
                                           } dV += P^T dO, dK += dS^T Q      (RS wgmma)
                                           } dS^T -> sdS (stmatrix); dQ = dS K (SS, shared
                                           }   per cfg.dq_split) -> sdQ (fp32)
-                                          } epilogue: dK * scale, dV -> global (predicated)
+                                          } per tile: zero dK / dV, ..., release K/V
+                                          }   (persistent), epilogue: dK * scale, dV ->
+                                          }   global (predicated)
                 setmaxnreg 240.
     WG0  dQ     warp 1: per query block, sdQ -> dQaccum rows with cp.reduce.async.bulk .add.f32.
 
 Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
 empty barrier: one arrive per consumer warp, 8):
 
-    pipe_kv  load -> 8 mma warps, 1 stage, K and V together (2 * tile_n * d * 2 bytes);
-             acquired once, never released (it lives for the whole CTA).
+    pipe_kv  load -> 8 mma warps, 1 stage, K and V together (2 * tile_n * d * 2 bytes).
+             One CTA per tile: acquired once, never released. Persistent: once per tile;
+             the mma warps release it after the tile's last m_step, whose dQ wgmma (the last
+             reader of sK; sV's last is that block's dP^T) they have waited on, so the next
+             tile's K/V load runs under this tile's epilogue (registers -> global, no smem).
     pipe_q   load -> 8 mma warps, `stages` stages: Q tile + LSE_log2 tile on one barrier.
     pipe_do  load -> 8 mma warps, `stages` stages: dO tile + D tile on one barrier.
     pipe_q and pipe_do advance in lockstep, so one PipelineState (index, phase) per side serves
     both. A stage is released only after the dQ wgmma of that query block finished, which
     also covers dV (reads sdO) and dK (reads sQ), issued earlier in the same block.
+    Persistent: every PipelineState runs on across tiles (producer and consumers visit the
+    same tiles and blocks in the same order), so the stages and phases just keep cycling.
 
 Named barriers (``Barrier``): DS_READY (256) makes both warpgroups' stmatrix writes of dS^T
-visible (after fence.proxy.async) before the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY (256 + 32) hand sdQ between the mma warpgroups and
-the dQ warp; TAIL (256, varlen) orders the zeroing of rows past a sequence before any wgmma
-reads them.
+visible (after fence.proxy.async) before the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY
+(256 + 32) hand sdQ between the mma warpgroups and the dQ warp, one of each per query block
+(dq_tile says how the dQ warp's arrives stay matched, also across persistent tiles); TAIL
+(256, varlen) orders the zeroing of rows past a sequence before any wgmma reads them. All
+are per query block or per tile and used by both warpgroups alike, so they repeat across
+tiles unchanged. sdS's two buffers alternate by the CTA's running block count (not m_block,
+which may restart at the same parity in the next tile).
 
 Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 
@@ -72,7 +91,7 @@ Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, 
 from ``pad_offset``, whole tiles that never overlap the next sequence's). The grid covers
 max_seqlen_k; a CTA whose key block starts at or past its sequence's seqlen_k returns before
 any pipeline wait or named barrier (uniform over the CTA: all 384 threads leave together; the
-mbarriers were only initialised). TMA views start at the sequence's first row but keep the
+mbarriers were only initialised); persistent, every role skips such a tile. TMA views start at the sequence's first row but keep the
 packed extent, so the boxes at a sequence's end hold the next sequence's rows (past seqused:
 anything, NaN included). The mma warpgroups zero those rows in shared memory before any wgmma
 reads them: K and V past seqlen_k once per CTA, Q and dO past seqlen_q in the one query block
@@ -95,7 +114,7 @@ forward's), and the tile epilogue (scalar predicated stores of dK/dV).
 import enum
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -144,6 +163,24 @@ class KeyTile:
     # Varlen: the grid covers the longest sequence; a shorter one's extra key blocks have no
     # keys. Every role skips such a tile the same way (persistent) or the whole CTA leaves.
     has_keys: bool
+
+
+@dataclass(frozen=True)
+class PersistentTiles:
+    """Persistent: tile numbers (common/scheduler.py) and how one becomes a KeyTile."""
+    tile_at: Callable  # (n_block, head, batch) -> KeyTile
+    num_blocks: Int32
+    nheads: Int32
+    num_hb: Int32      # heads * batch
+    section: Int32     # heads per L2 section
+
+    def num_tiles(self):
+        return scheduler.num_tiles(self.num_blocks, self.num_hb)
+
+    def tile(self, t: Int32) -> KeyTile:
+        # Key blocks ascending: the longest first (causal) and n after n-1 (deterministic).
+        return self.tile_at(*scheduler.tile_coords(t, self.num_blocks, self.nheads,
+                                                   self.num_hb, self.section, False))
 
 
 class FlashBwdSm90:
@@ -319,27 +356,27 @@ class FlashBwdSm90:
         tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
                           mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
         if const_expr(self.persistent):
-            # Every role walks the same tiles (scheduler.tiles) and skips the same empty ones.
-            tile, run = None, True
-            sched = (tile_at, num_n_blocks, mQ.shape[2], num_hb, section)
+            # Every role walks the same tiles (each_tile) and skips the same empty ones.
+            tiles = PersistentTiles(tile_at, num_n_blocks, mQ.shape[2], num_hb, section)
+            run = True
         else:
             # One tile per CTA; an empty one (varlen) leaves before any pipeline wait or named
             # barrier, uniformly over the CTA (the barriers above were only initialised).
-            tile, sched = tile_at(*cute.arch.block_idx()), None
-            run = tile.has_keys
+            tiles = tile_at(*cute.arch.block_idx())
+            run = tiles.has_keys
         if run:
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(LOAD_REGS)
                 if warp_idx == 0:
                     self.load(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q,
                               tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do,
-                              tile, sched)
+                              tiles)
                 if warp_idx == DQ_WARP:
-                    self.dq_reduce(mdQaccum, mSem, sdQ, tile, sched)
+                    self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD,
-                         sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tile, sched)
+                         sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tiles)
 
     @cute.jit
     def key_tile(self, n_block: Int32, head: Int32, batch: Int32, mQ: cute.Tensor,
@@ -357,28 +394,21 @@ class FlashBwdSm90:
         return KeyTile(n_block, head, batch, seq, m_begin, m_end, has_keys)
 
     @cute.jit
-    def each_tile(self, tile: Optional[KeyTile], sched, body, carry):
-        """``carry = body(tile, carry)`` over this CTA's tiles: the one tile of the CTA, or
-        (persistent) its scheduler.tiles that have keys. Every role walks the same sequence,
-        so pipeline states, named barriers and the dQ hand-off stay matched across tiles.
-
-        Tile order (scheduler.tile_coords, blocks ascending): the key blocks with the most
-        query blocks (the first ones, causal) start first, and for each (head, batch) key
-        block n comes after key blocks 0 .. n-1 in tile order, which is what makes the
-        deterministic dQ semaphores deadlock-free (see dq_tile)."""
-        if const_expr(tile is not None):
-            carry = body(tile, carry)
+    def each_tile(self, tiles: Union[KeyTile, PersistentTiles], body, carry):
+        """``carry = body(tile, carry)`` over this CTA's tiles: its one KeyTile, or
+        (persistent) its scheduler.for_each_tile numbers that have keys. Every role walks the
+        same sequence, so pipeline states, named barriers and the dQ hand-off stay matched
+        across tiles."""
+        if const_expr(isinstance(tiles, KeyTile)):
+            carry = body(tiles, carry)
         else:
-            _, num_blocks, _, num_hb, _ = sched
-            carry = scheduler.for_each_tile(scheduler.num_tiles(num_blocks, num_hb),
-                                            partial(self.visit_tile, sched, body), carry)
+            carry = scheduler.for_each_tile(tiles.num_tiles(),
+                                            partial(self.visit_tile, tiles, body), carry)
         return carry
 
     @cute.jit
-    def visit_tile(self, sched, body, t: Int32, carry):
-        """Persistent: ``body`` on tile number ``t`` if it has keys."""
-        tile_at, num_blocks, nheads, num_hb, section = sched
-        tile = tile_at(*scheduler.tile_coords(t, num_blocks, nheads, num_hb, section, False))
+    def visit_tile(self, tiles: PersistentTiles, body, t: Int32, carry):
+        tile = tiles.tile(t)
         if tile.has_keys:
             carry = body(tile, carry)
         return carry
@@ -389,14 +419,14 @@ class FlashBwdSm90:
              sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
              tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
              tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
-             pipe_q, pipe_do, tile: Optional[KeyTile], sched):
+             pipe_q, pipe_do, tiles):
         """Producer: per tile, K and V, then (Q, LSE) and (dO, D) for each query block in
         order. The pipeline states run on across tiles."""
         body = partial(self.load_tile, mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
                        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
-        self.each_tile(tile, sched, body, (kv, st))
+        self.each_tile(tiles, body, (kv, st))
 
     @cute.jit
     def load_tile(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -444,7 +474,7 @@ class FlashBwdSm90:
             mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
             sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor, sLSE: cute.Tensor,
             sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv, pipe_q, pipe_do, scale_log2: Float32,
-            dk_scale: Float32, tile: Optional[KeyTile], sched):
+            dk_scale: Float32, tiles):
         """MMA warpgroups: per tile, the loop over query blocks, then the dK / dV epilogue."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
@@ -502,7 +532,7 @@ class FlashBwdSm90:
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
-        self.each_tile(tile, sched, body, (kv, st))
+        self.each_tile(tiles, body, (kv, st))
 
     @cute.jit
     def mma_tile(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -650,11 +680,11 @@ class FlashBwdSm90:
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
-                  tile: Optional[KeyTile], sched):
+                  tiles):
         """dQ warp: per tile and query block, add the sdQ tile into the block's dQaccum rows
         with a TMA bulk reduction; sdQ is handed back once the reduction has read it."""
         lane = cute.arch.lane_idx()
-        self.each_tile(tile, sched, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
+        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
