@@ -89,10 +89,10 @@ def _sched_args(persistent: bool, device: torch.device, seqlen_q: int, d: int, n
     2 * elem_bytes with elem_bytes = 4."""
     if not persistent:
         return None, None
-    num_sms = int(os.environ.get(NUM_SMS_ENV, "0"))
-    if num_sms <= 0:
-        num_sms = _num_sms(device.index if device.index is not None
-                           else torch.cuda.current_device())
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    override = int(os.environ.get(NUM_SMS_ENV, "0"))
+    if override > 0:  # never more CTAs than SMs: the deterministic waits need them all resident
+        num_sms = min(override, num_sms)
     return num_sms, heads_per_section(seqlen_q, d, 4, num_hb)
 
 

@@ -435,6 +435,7 @@ class FlashBwdSm90:
                   tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                   tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
                   pipe_q, pipe_do, tile: KeyTile, states):
+        """One tile's loads; returns the advanced (kv, q/dO) producer states."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         kv, st = states
         n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
@@ -540,6 +541,8 @@ class FlashBwdSm90:
                  sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv,
                  pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tidx: Int32,
                  wg: Int32, tile: KeyTile, states):
+        """One tile: zero dK / dV, the query blocks, the epilogue; returns the advanced
+        (kv, q/dO) consumer states."""
         tm, tn = self.tile_m, self.tile_n
         kv, st = states
         n_block, m_begin, m_end, seq = tile.n_block, tile.m_begin, tile.m_end, tile.seq
