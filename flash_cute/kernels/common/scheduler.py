@@ -8,8 +8,8 @@ its coordinates:
   ``flash_cute.config.heads_per_section``) whose shared operand fits in L2 (the forward's K/V,
   the backward's Q/dO/dQaccum); a section's tiles come before the next section's.
 - Inside a section the heads vary fastest, then the block, so tiles running at the same time
-  share a few heads' operands in L2, and for each (head, batch) the blocks come in block order
-  (``reverse_blocks``: descending), each after all lower-numbered tiles of its section.
+  share a few heads' operands in L2, and each (head, batch) meets its blocks in block order
+  (``reverse_blocks``: descending).
 - Longest first for causal attention: the caller picks the direction in which blocks get
   shorter. Forward: the last query blocks see the most key blocks (``reverse_blocks=True``).
   Backward: the first key blocks see the most query blocks (``reverse_blocks=False``). The
@@ -19,12 +19,12 @@ Two launch styles share the numbering:
 
 - one CTA per tile: ``grid_shape``; the CTA's tile is ``current_tile`` (= blockIdx.x);
 - persistent: ``persistent_grid`` launches min(num_tiles, num_SMs) CTAs and each walks its
-  tiles with ``for_each_tile``: blockIdx.x, blockIdx.x + gridDim.x, ... Every CTA visits its tiles in
-  increasing tile order, and a tile's CTA has finished all its lower tiles (of that CTA) first.
+  tiles with ``for_each_tile``: blockIdx.x, blockIdx.x + gridDim.x, ..., in increasing order.
   A kernel whose tiles wait on other tiles (the deterministic backward) is deadlock-free when
-  every tile waits only on lower-numbered tiles and all CTAs are resident (grid <= SMs, one
-  CTA per SM): by induction on the tile number, tile t's CTA reaches it after finishing its
-  own lower tiles, and everything t waits on is lower, hence finishes.
+  every tile waits only on lower-numbered tiles, every CTA handles its tiles in order (no
+  earlier tile needs anything of a later one), and all CTAs are resident (grid <= SMs, one CTA
+  per SM). By induction on the tile number: tile t's CTA reaches t once its own lower tiles
+  are done, and everything t waits on is a lower tile, hence done.
 """
 import cutlass
 import cutlass.cute as cute

@@ -91,11 +91,12 @@ Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, 
 from ``pad_offset``, whole tiles that never overlap the next sequence's). The grid covers
 max_seqlen_k; a CTA whose key block starts at or past its sequence's seqlen_k returns before
 any pipeline wait or named barrier (uniform over the CTA: all 384 threads leave together; the
-mbarriers were only initialised); persistent, every role skips such a tile. TMA views start at the sequence's first row but keep the
-packed extent, so the boxes at a sequence's end hold the next sequence's rows (past seqused:
-anything, NaN included). The mma warpgroups zero those rows in shared memory before any wgmma
-reads them: K and V past seqlen_k once per CTA, Q and dO past seqlen_q in the one query block
-where the sequence ends. Then such a query has S = 0, P = exp2(0 - inf) = 0 exactly
+mbarriers were only initialised); persistent, every role skips such a tile. TMA views start
+at the sequence's first row but keep the packed extent, so the boxes at a sequence's end hold
+the next sequence's rows (past seqused: anything, NaN included). The mma warpgroups zero those
+rows in shared memory before any wgmma reads them: K and V past seqlen_k once per tile, Q and
+dO past seqlen_q in the one query block where the sequence ends. Then such a query has S = 0,
+P = exp2(0 - inf) = 0 exactly
 (LSE_log2 = +inf on padding rows), dP = 0 and dS = 0: nothing reaches dK / dV; keys past
 seqlen_k are masked as a ragged tail and their zero K / V rows keep dS = 0 and dQ finite
 (0 * NaN would not be). dK / dV rows past seqlen_k are never stored (the next sequence's);
