@@ -4,6 +4,10 @@
     python bench/check_bwd.py --no-time       # correctness only
     python bench/check_bwd.py --only 'd=128'  # cases whose tag contains the string
     python bench/check_bwd.py --list          # the cases and their indices
+    python bench/check_bwd.py --deterministic # the deterministic dQ order
+
+The persistent main kernel (experiment): FLASH_CUTE_BWD_PERSISTENT=1 in the environment;
+add FLASH_CUTE_BWD_NUM_SMS=5 for a 5-CTA grid, so every CTA crosses many tile boundaries.
 
 Cases run through bench/case_runner.py: each under a watchdog; a hang or a lost CUDA context
 restarts the script from the next case.
@@ -58,7 +62,7 @@ def grads_ref(q, k, v, dout, scale, causal, upcast):
         return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
 
 
-def check(c):
+def check(c, deterministic=False):
     torch.manual_seed(c["sq"] * 131 + c["sk"] * 7 + c["d"])
     b, sq, sk, h, hk, d, dt = c["b"], c["sq"], c["sk"], c["h"], c["hk"], c["d"], c["dtype"]
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dt)
@@ -69,7 +73,8 @@ def check(c):
     out, lse = dispatch.fwd(q, k, v, softmax_scale=scale, causal=c["causal"])
     junk = torch.full((256 << 20,), float("nan"), device="cuda")  # poison recycled memory
     del junk
-    dq, dk, dv = backward.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=c["causal"])
+    dq, dk, dv = backward.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=c["causal"],
+                              deterministic=deterministic)
     torch.cuda.synchronize()
     ref = grads_ref(q, k, v, dout, scale, c["causal"], upcast=True)
     low = grads_ref(q, k, v, dout, scale, c["causal"], upcast=False)
@@ -116,9 +121,10 @@ def bench(d, s, causal):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--no-time", action="store_true")
+    p.add_argument("--deterministic", action="store_true")
     add_arguments(p)
     args = p.parse_args()
-    run_cases([(tag(c), lambda c=c: check(c)) for c in cases()], args)
+    run_cases([(tag(c), lambda c=c: check(c, args.deterministic)) for c in cases()], args)
     if args.list:
         return
     if not args.no_time:

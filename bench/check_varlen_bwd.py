@@ -4,6 +4,9 @@
     python bench/check_varlen_bwd.py --only 'd=128'  # cases whose tag contains the string
     python bench/check_varlen_bwd.py --list
 
+The persistent main kernel (experiment): FLASH_CUTE_BWD_PERSISTENT=1 in the environment
+(FLASH_CUTE_BWD_NUM_SMS=5 for a 5-CTA grid: many tiles, skipped ones included, per CTA).
+
 Same harness as check_bwd.py: each case runs under a watchdog; past --case-seconds (a hang: a
 CTA that leaves early while others wait on a barrier, a pipeline count mismatch, a
 deterministic semaphore that never reaches its turn) it prints HANG and re-executes the script

@@ -1,12 +1,18 @@
 """Experiment harness: time backward main-kernel variants side by side (one process, one GPU).
 
-    python bench/exp_bwd.py
-A variant is a BwdSm90Config override of the main kernel (or deterministic=True); preprocess and postprocess are the
-shipped ones. Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA-free),
-then all variants are timed interleaved over several rounds (median per variant), the whole
-backward (pre + main + post) per call, so clock drift hits all alike.
+    python bench/exp_bwd.py                         # every variant
+    python bench/exp_bwd.py default persistent      # only these, still interleaved
+A variant is a BwdSm90Config override of the main kernel (or deterministic=True); preprocess and
+postprocess are the shipped ones. "persistent" (BwdSm90Config.persistent) launches min(tiles,
+SMs) CTAs looping over key-block tiles (its expected gains: causal, short sequences).
+
+Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA-free), then all
+variants are timed interleaved over several rounds (median per variant), the whole backward
+(pre + main + post) per call, so clock drift hits all alike. Shapes: (d, seqlen, causal) with
+b = 16384 / seqlen, h = 2048 / d (16k tokens, model width 2048).
 """
 import math
+import sys
 
 import torch
 
@@ -18,8 +24,12 @@ VARIANTS = {
     "default": {},
     "alt": {"dq_split": "alt"},
     "deterministic": {"deterministic": True},
+    "persistent": {"persistent": True},
 }
-SHAPES = [(128, 16384, False), (64, 4096, False), (64, 16384, True), (96, 4096, False)]
+if len(sys.argv) > 1:
+    VARIANTS = {n: VARIANTS[n] for n in sys.argv[1:]}
+SHAPES = [(128, 16384, False), (64, 4096, False), (64, 16384, True), (96, 4096, False),
+          (128, 2048, True), (64, 1024, True)]
 ROUNDS = 5
 
 
@@ -27,8 +37,8 @@ def with_main(main_fn, fn):
     """Run ``fn`` with backward.get_bwd_kernels returning ``main_fn`` as the main kernel."""
     orig = backward.get_bwd_kernels
 
-    def patched(*a):
-        pre, _, post = orig(*a)
+    def patched(*a, **kw):
+        pre, _, post = orig(*a, **kw)
         return pre, main_fn, post
     backward.get_bwd_kernels = patched
     try:
@@ -58,17 +68,18 @@ for d, s, causal in SHAPES:
     fns = {}
     for name, kw in VARIANTS.items():
         main = backward._compile_main("sm_90a", "BFloat16", d, causal, False, **kw)
-        det = kw.get("deterministic", False)
+        det, pers = kw.get("deterministic", False), kw.get("persistent", False)
         try:
             got = with_main(main, lambda: backward.bwd(dos, qs, ks, vs, outs, lses,
                                                        softmax_scale=scale, causal=causal,
-                                                       deterministic=det))
+                                                       deterministic=det, persistent=pers))
             check_grads_close(got, ref, low)
         except AssertionError as e:
             print(f"d={d} causal={int(causal)} {name}: FAIL {str(e)[:300]}", flush=True)
             continue
-        fns[name] = (lambda main=main, det=det: with_main(main, lambda: backward.bwd(
-            dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, deterministic=det)))
+        fns[name] = (lambda main=main, det=det, pers=pers: with_main(main, lambda: backward.bwd(
+            dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, deterministic=det,
+            persistent=pers)))
     times = {n: [] for n in fns}
     for _ in range(ROUNDS):
         for n, fn in fns.items():

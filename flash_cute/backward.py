@@ -20,6 +20,13 @@ tests/test_gpu.py gradient tests); timings in docs/performance.md.
     dK / dV are row for row, so they use the batched bwd_post. Status: compiled and
     SASS-checked on CPU; bench/check_varlen_bwd.py checks it on the H200.
 
+Persistent main kernel (experiment, ``BwdSm90Config.persistent``; not run on a GPU yet): with
+``FLASH_CUTE_BWD_PERSISTENT=1`` (or ``persistent=True``), bwd and varlen_bwd launch
+min(tiles, SMs) CTAs that loop over the key-block tiles (kernels/common/scheduler.py), e.g.
+``FLASH_CUTE_BWD_PERSISTENT=1 python bench/check_bwd.py --no-time``. The SM count is a launch
+argument (cached per device), not part of the compile key; ``FLASH_CUTE_BWD_NUM_SMS=n``
+overrides it (checks: many tiles per CTA even at small shapes).
+
 ``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` when the tensors are on an sm_90 GPU
 and ``unsupported_bwd_option`` returns None (d 64/96/128 today); otherwise, or with
 ``FLASH_CUTE_FUSED_BWD=0``, it runs the fp32 recompute (d 192/256 until their kernels exist).
@@ -36,18 +43,23 @@ with GQA also fp32 dK, dV per query head (b, sk, h, d) (varlen: (total_k, h, d))
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import threading
 
 import torch
 
-from .config import BWD_SUPPORTED_HEAD_DIMS, BwdSm90Config
+from .config import BWD_SUPPORTED_HEAD_DIMS, BwdSm90Config, heads_per_section
 from .dispatch import compile_kernel
 from .kernels.common.seqlen import pad_offset
 
 DEFAULT_ARCH = "sm_90a"
 ENV_FLAG = "FLASH_CUTE_FUSED_BWD"
+PERSISTENT_ENV = "FLASH_CUTE_BWD_PERSISTENT"
+# Testing: a persistent grid of this many CTAs instead of the SM count, so that small check
+# shapes still put many tiles (and tile boundaries at every parity) on each CTA.
+NUM_SMS_ENV = "FLASH_CUTE_BWD_NUM_SMS"
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 _cache: dict = {}
 _cache_lock = threading.Lock()
@@ -57,6 +69,31 @@ def fused_bwd_enabled() -> bool:
     """False only when FLASH_CUTE_FUSED_BWD=0: flash_cute::bwd then takes the fp32 recompute
     (slow, O(s^2) memory: a cross-check, not a production path)."""
     return os.environ.get(ENV_FLAG, "1") != "0"
+
+
+def persistent_bwd_enabled() -> bool:
+    """True when FLASH_CUTE_BWD_PERSISTENT=1: the persistent main kernel (an experiment)."""
+    return os.environ.get(PERSISTENT_ENV, "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sched_args(persistent: bool, device: torch.device, seqlen_q: int, d: int, num_hb: int):
+    """The persistent kernel's (SM count, heads per L2 section); (None, None) otherwise.
+
+    A section's heads keep what every key block of a head re-reads in L2: Q and dO (2 bytes
+    per element) and dQaccum (4), so 8 bytes per (row, d) element: heads_per_section's
+    2 * elem_bytes with elem_bytes = 4."""
+    if not persistent:
+        return None, None
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    override = int(os.environ.get(NUM_SMS_ENV, "0"))
+    if override > 0:  # never more CTAs than SMs: the deterministic waits need them all resident
+        num_sms = min(override, num_sms)
+    return num_sms, heads_per_section(seqlen_q, d, 4, num_hb)
 
 
 def unsupported_bwd_option(*, head_dim: int, window_size=(-1, -1),
@@ -193,7 +230,9 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             cute.runtime.make_fake_compact_tensor(
                 cutlass.Int32, sem_shape, stride_order=tuple(range(len(sem_shape)))[::-1],
                 assumed_align=4),
-            cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args)
+            cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args,
+            # Persistent: SM count and heads per L2 section, runtime values; else None.
+            *((cutlass.Int32(1),) * 2 if cfg.persistent else (None, None)))
     return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 
@@ -230,14 +269,16 @@ def _get(key, build):
 
 
 def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
-                    deterministic: bool = False, varlen: bool = False):
+                    deterministic: bool = False, varlen: bool = False,
+                    persistent: bool = False):
     """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across the flags.
     Varlen: (pre, main, post for dq, batched post for the GQA dK/dV sums)."""
     pre = _get(("bwd_pre", arch, dtype_name, d, varlen),
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen))
-    main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen),
+    main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
-                                      deterministic=deterministic, varlen=varlen))
+                                      deterministic=deterministic, varlen=varlen,
+                                      persistent=persistent))
     post = _get(("bwd_post", arch, dtype_name, d, False),
                 lambda: _compile_post(arch, dtype_name, d))
     if not varlen:
@@ -256,7 +297,8 @@ def bwd_variants(deterministic=(False, True), varlen: bool = False):
 
 
 def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False,
-              deterministic: bool = False, kernel: str = "main", varlen: bool = False) -> bytes:
+              deterministic: bool = False, kernel: str = "main", varlen: bool = False,
+              persistent: bool = False) -> bytes:
     """The cubin of one backward kernel ("pre", "main" or "post"), for SASS checks."""
     if kernel == "pre":
         compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen)
@@ -264,15 +306,17 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
         compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen)
     else:
         compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True,
-                                 deterministic=deterministic, varlen=varlen)
+                                 deterministic=deterministic, varlen=varlen,
+                                 persistent=persistent)
     return compiled.__cubin__
 
 
 def bwd_ptx(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False,
-            deterministic: bool = False, varlen: bool = False) -> str:
+            deterministic: bool = False, varlen: bool = False, persistent: bool = False) -> str:
     """The PTX of one main-kernel variant, for ptxas checks (register use, C7512)."""
     return _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin="ptx",
-                         deterministic=deterministic, varlen=varlen).__ptx__
+                         deterministic=deterministic, varlen=varlen,
+                         persistent=persistent).__ptx__
 
 
 # -------------------------------------------------------------------------------- launch
@@ -288,11 +332,12 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float, causal: bool,
-        deterministic: bool = False):
+        deterministic: bool = False, persistent: bool | None = None):
     """Gradients of attention (batched layout). Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (b, sq, h, d); k, v (b, sk, hk, d), h % hk == 0; lse fp32 (b, h, sq) natural
     log, as returned by the forward. Inputs are assumed validated like the forward's.
+    persistent: the persistent main kernel; None reads FLASH_CUTE_BWD_PERSISTENT.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -311,8 +356,9 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   f"sm_{major}{minor}")
     cfg = BwdSm90Config.for_head_dim(d)
     gqa = h != hk
+    persistent = persistent_bwd_enabled() if persistent is None else bool(persistent)
     pre, main, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
-                                      gqa, bool(deterministic))
+                                      gqa, bool(deterministic), persistent=persistent)
     q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
     lse = lse.detach().contiguous()
 
@@ -332,7 +378,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     pre(out, dout, lse, lse_log2, dpsum, dq_accum, None, None, None)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
-         softmax_scale * math.log2(math.e), softmax_scale, None, None, None, None, None)
+         softmax_scale * math.log2(math.e), softmax_scale, None, None, None, None, None,
+         *_sched_args(persistent, q.device, sq, d, b * h))
     post(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, None, None, None)
     if gqa:
         post(dk_out, dk, 1.0, None, None, None)
@@ -344,14 +391,14 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                out: torch.Tensor, lse: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
-               deterministic: bool = False):
+               deterministic: bool = False, persistent: bool | None = None):
     """Gradients of varlen attention. Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (total_q, h, d); k, v (total_k, hk, d); lse fp32 (h, total_q) as returned by
     the varlen forward; cu_seqlens, seqused and max_seqlen as validated for it. Rows past
     seqused come out 0 (they take no part in the attention). Same three launches as ``bwd``,
     over the padded per-sequence rows of common/seqlen.py; nothing here reads cu_seqlens on
-    the host (no sync) and no length enters the compile key.
+    the host (no sync) and no length enters the compile key. persistent: as in ``bwd``.
     """
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
@@ -370,9 +417,10 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                   f"sm_{major}{minor}")
     cfg = BwdSm90Config.for_head_dim(d)
     gqa = h != hk
+    persistent = persistent_bwd_enabled() if persistent is None else bool(persistent)
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
                                                bool(causal), gqa, bool(deterministic),
-                                               varlen=True)
+                                               varlen=True, persistent=persistent)
     q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
     lse = lse.detach().contiguous()
     # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.
@@ -397,7 +445,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q, grid_q)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
-         used_k, grid_k)
+         used_k, grid_k, *_sched_args(persistent, q.device, grid_q, d, batch * h))
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q, grid_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, None, None, None)

@@ -115,6 +115,10 @@ class BwdSm90Config:
     # warpgroup, alternating per query block. (Per-warpgroup tiles over its own 64 keys, two
     # reductions per block, measured 21-29% slower; docs/performance.md bwd v3/v4.)
     dq_split: str = "alt"
+    # Experiment (not timed yet): min(tiles, SMs) CTAs, each looping over key-block tiles in
+    # kernels/common/scheduler.py order, so one tile's K/V load overlaps the previous tile's
+    # epilogue and the grid has no partial last wave. Off: one CTA per tile.
+    persistent: bool = False
 
     @property
     def dq_row(self) -> int:

@@ -31,10 +31,17 @@ def _arch():
 VARIANTS = [v for v in backward.bwd_variants() if not v[-1] or v[0] == "BFloat16"]
 
 
+# Persistent: every default-config variant, plus deterministic and varlen samples.
+PERSISTENT_VARIANTS = [(*v, False) for v in backward.bwd_variants(deterministic=(False,))] + [
+    ("BFloat16", 128, True, False, True, False), ("Float16", 64, True, True, True, False),
+    ("BFloat16", 96, True, True, False, True), ("BFloat16", 128, True, False, True, True)]
+
+
 @functools.lru_cache(maxsize=None)
-def main_cubin(dtype, d, causal, gqa, deterministic, varlen=False):
+def main_cubin(dtype, d, causal, gqa, deterministic, varlen=False, persistent=False):
     """Each variant compiled once per session (the varlen tests compare with the batched)."""
-    return backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, varlen=varlen)
+    return backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, varlen=varlen,
+                              persistent=persistent)
 
 
 def check_main_sass(ops):
@@ -63,6 +70,19 @@ def test_bwd_main_varlen_compiles(dtype, d, causal, gqa, deterministic, tmp_path
     assert ops.get("STS", 0) > batched.get("STS", 0), "no tail zeroing in shared memory"
 
 
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,varlen", PERSISTENT_VARIANTS,
+                         ids=lambda v: str(v))
+def test_bwd_main_persistent_compiles(dtype, d, causal, gqa, deterministic, varlen, tmp_path,
+                                      monkeypatch):
+    """The persistent tile loop around the same main loop: as many HGMMA as one CTA per
+    tile (the loop body is not duplicated), still not serialized, no spills."""
+    monkeypatch.chdir(tmp_path)
+    ops = sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic, varlen, True), tmp_path)
+    check_main_sass(ops)
+    default = sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic, varlen), tmp_path)
+    assert ops["HGMMA"] == default["HGMMA"], (ops["HGMMA"], default["HGMMA"])
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 @pytest.mark.parametrize("kernel", ["pre", "post"])
 @pytest.mark.parametrize("dtype", ["BFloat16", "Float16"])
@@ -75,17 +95,19 @@ def test_bwd_pre_post_compile(kernel, dtype, d, varlen, tmp_path, monkeypatch):
     assert ops.get("LDG", 0) > 0 and ops.get("STG", 0) > 0
 
 
-@pytest.mark.parametrize("d,causal,gqa,varlen", [(128, True, False, False),
-                                                 (64, False, False, False),
-                                                 (128, True, True, True)])
-def test_bwd_ptxas_report(d, causal, gqa, varlen, tmp_path, monkeypatch):
+@pytest.mark.parametrize("d,causal,gqa,varlen,persistent", [
+    (128, True, False, False, False), (64, False, False, False, False),
+    (128, True, True, True, False), (128, True, False, False, True),
+    (96, True, True, True, True)])
+def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, tmp_path, monkeypatch):
     """ptxas itself: no spills and no C7512 (wgmma serialized for lack of registers)."""
     ptxas = "/usr/local/bin/ptxas"
     if not os.path.exists(ptxas):
         pytest.skip("ptxas not installed")
     monkeypatch.chdir(tmp_path)
     ptx = tmp_path / "k.ptx"
-    ptx.write_text(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa, varlen=varlen))
+    ptx.write_text(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa, varlen=varlen,
+                                    persistent=persistent))
     res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.o")],
                          capture_output=True, text=True, check=True)
     report = res.stdout + res.stderr
@@ -122,6 +144,11 @@ def test_fused_bwd_env_flag(monkeypatch):
     assert backward.fused_bwd_enabled()
     monkeypatch.setenv(backward.ENV_FLAG, "0")
     assert not backward.fused_bwd_enabled()
+    monkeypatch.delenv(backward.PERSISTENT_ENV, raising=False)
+    assert not backward.persistent_bwd_enabled()
+    monkeypatch.setenv(backward.PERSISTENT_ENV, "1")
+    assert backward.persistent_bwd_enabled()
+    assert backward._sched_args(False, None, 4096, 128, 32) == (None, None)
 
 
 # ------------------------------------------------------------- float64 emulation of the plan

@@ -1,7 +1,8 @@
 """SM90 (Hopper) attention backward, step 2 of 3: dK, dV per key block, dQ by bulk reductions.
 
 STATUS: checked on the H200: batched (bench/check_bwd.py, 85 cases), varlen
-(bench/check_varlen_bwd.py, 41 cases).
+(bench/check_varlen_bwd.py, 41 cases). The persistent variant (``cfg.persistent``, below) is
+compiled and ptxas-checked only, not yet run on a GPU.
 
 Math (per batch and query head; S = Q K^T unscaled, scale = softmax_scale):
 
@@ -13,41 +14,59 @@ The kernel computes the transposed tiles S^T = K Q^T and dP^T = V dO^T, so the r
 accumulator are keys: P^T and dS^T come out of the wgmma already as the register A operands of
 dV += P^T dO and dK += dS^T Q, and dK / dV never leave registers until the epilogue.
 
-Ownership: one CTA per (key block of TILE_N = 128 keys, query head, batch); it walks the query
-blocks (tile_m = 64 rows) that can see its keys, so dK and dV are complete at the end of the
-CTA (no reduction for them; GQA writes per query head, bwd_post sums the group). dQ for a query
-block gets a contribution from every key block: the mma warpgroups write their dQ partial
-(fp32) to shared memory (sdQ) and the dQ warp adds it to dQaccum with one TMA bulk reduce-add
-per tile (deterministic: in key-block order, behind a semaphore per query block).
+Ownership: a work tile is (key block of TILE_N = 128 keys, query head, batch); its CTA walks the
+query blocks (tile_m = 64 rows) that can see its keys, so dK and dV are complete at the end of
+the tile (no reduction for them; GQA writes per query head, bwd_post sums the group). dQ for
+a query block gets a contribution from every key block: the mma warpgroups write their dQ
+partial (fp32) to shared memory (sdQ) and the dQ warp adds it to dQaccum with one TMA bulk
+reduce-add per query block (deterministic: in key-block order, behind a semaphore per query
+block).
+
+Scheduling: by default one CTA per tile, grid (n_blocks, heads, batch). Persistent
+(``cfg.persistent``): min(tiles, SMs) CTAs, each looping over tiles blockIdx.x, + gridDim.x,
+... in common/scheduler.py order (key blocks ascending = longest first under causal, heads in
+L2 sections); every role walks the same tiles (``each_tile``), so the per-tile protocol below
+repeats, with the cross-tile points noted where they differ.
 
 Warp roles (3 warpgroups, 384 threads):
 
-    WG0  load   warp 0: TMA K and V once; then per query block m: Q[m] + LSE_log2[m] into
-                stage s of pipe_q, dO[m] + D[m] into stage s of pipe_do. setmaxnreg 24.
+    WG0  load   warp 0, per tile: TMA K and V; then per query block m: Q[m] + LSE_log2[m]
+                into stage s of pipe_q, dO[m] + D[m] into stage s of pipe_do. setmaxnreg 24.
     WG1  mma    keys  0..63 of the block  } S^T = K Q^T, dP^T = V dO^T      (SS wgmma)
     WG2  mma    keys 64..127              } P^T, dS^T in registers (exp2 with LSE from smem)
                                           } dV += P^T dO, dK += dS^T Q      (RS wgmma)
                                           } dS^T -> sdS (stmatrix); dQ = dS K (SS, shared
                                           }   per cfg.dq_split) -> sdQ (fp32)
-                                          } epilogue: dK * scale, dV -> global (predicated)
+                                          } per tile: zero dK / dV, ..., release K/V
+                                          }   (persistent), epilogue: dK * scale, dV ->
+                                          }   global (predicated)
                 setmaxnreg 240.
     WG0  dQ     warp 1: per query block, sdQ -> dQaccum rows with cp.reduce.async.bulk .add.f32.
 
 Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
 empty barrier: one arrive per consumer warp, 8):
 
-    pipe_kv  load -> 8 mma warps, 1 stage, K and V together (2 * tile_n * d * 2 bytes);
-             acquired once, never released (it lives for the whole CTA).
+    pipe_kv  load -> 8 mma warps, 1 stage, K and V together (2 * tile_n * d * 2 bytes).
+             One CTA per tile: acquired once, never released. Persistent: once per tile;
+             the mma warps release it after the tile's last m_step, whose dQ wgmma (the last
+             reader of sK; sV's last is that block's dP^T) they have waited on, so the next
+             tile's K/V load runs under this tile's epilogue (registers -> global, no smem).
     pipe_q   load -> 8 mma warps, `stages` stages: Q tile + LSE_log2 tile on one barrier.
     pipe_do  load -> 8 mma warps, `stages` stages: dO tile + D tile on one barrier.
     pipe_q and pipe_do advance in lockstep, so one PipelineState (index, phase) per side serves
     both. A stage is released only after the dQ wgmma of that query block finished, which
     also covers dV (reads sdO) and dK (reads sQ), issued earlier in the same block.
+    Persistent: every PipelineState runs on across tiles (producer and consumers visit the
+    same tiles and blocks in the same order), so the stages and phases just keep cycling.
 
 Named barriers (``Barrier``): DS_READY (256) makes both warpgroups' stmatrix writes of dS^T
-visible (after fence.proxy.async) before the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY (256 + 32) hand sdQ between the mma warpgroups and
-the dQ warp; TAIL (256, varlen) orders the zeroing of rows past a sequence before any wgmma
-reads them.
+visible (after fence.proxy.async) before the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY
+(256 + 32) hand sdQ between the mma warpgroups and the dQ warp, one of each per query block
+(dq_tile says how the dQ warp's arrives stay matched, also across persistent tiles); TAIL
+(256, varlen) orders the zeroing of rows past a sequence before any wgmma reads them. All
+are per query block or per tile and used by both warpgroups alike, so they repeat across
+tiles unchanged. sdS's two buffers alternate by the CTA's running block count (not m_block,
+which may restart at the same parity in the next tile).
 
 Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 
@@ -72,11 +91,12 @@ Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, 
 from ``pad_offset``, whole tiles that never overlap the next sequence's). The grid covers
 max_seqlen_k; a CTA whose key block starts at or past its sequence's seqlen_k returns before
 any pipeline wait or named barrier (uniform over the CTA: all 384 threads leave together; the
-mbarriers were only initialised). TMA views start at the sequence's first row but keep the
-packed extent, so the boxes at a sequence's end hold the next sequence's rows (past seqused:
-anything, NaN included). The mma warpgroups zero those rows in shared memory before any wgmma
-reads them: K and V past seqlen_k once per CTA, Q and dO past seqlen_q in the one query block
-where the sequence ends. Then such a query has S = 0, P = exp2(0 - inf) = 0 exactly
+mbarriers were only initialised); persistent, every role skips such a tile. TMA views start
+at the sequence's first row but keep the packed extent, so the boxes at a sequence's end hold
+the next sequence's rows (past seqused: anything, NaN included). The mma warpgroups zero those
+rows in shared memory before any wgmma reads them: K and V past seqlen_k once per tile, Q and
+dO past seqlen_q in the one query block where the sequence ends. Then such a query has S = 0,
+P = exp2(0 - inf) = 0 exactly
 (LSE_log2 = +inf on padding rows), dP = 0 and dS = 0: nothing reaches dK / dV; keys past
 seqlen_k are masked as a ragged tail and their zero K / V rows keep dS = 0 and dQ finite
 (0 * NaN would not be). dK / dV rows past seqlen_k are never stored (the next sequence's);
@@ -93,7 +113,9 @@ the atomics), the serialized dQ chunks, tile_m = 64 (S^T and dP^T wgmma have N =
 forward's), and the tile epilogue (scalar predicated stores of dK/dV).
 """
 import enum
-from typing import Optional
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional, Union
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -104,7 +126,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...config import DQ_ROW_PAD, BwdSm90Config
-from ..common import block_info
+from ..common import block_info, scheduler
 from ..common.layout import acc_as_mn, acc_as_operand_a, row_copy, select_modes, transpose_mn
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
@@ -129,6 +151,39 @@ class Barrier(enum.IntEnum):
     TAIL = 4          # varlen: rows past a sequence are zeroed in sK/sV or sQ/sdO
 
 
+@dataclass(frozen=True)
+class KeyTile:
+    """One work tile: key block ``n_block`` of (query) ``head`` and ``batch``, and the query
+    blocks m_begin .. m_end - 1 that see its keys."""
+    n_block: Int32
+    head: Int32
+    batch: Int32
+    seq: SeqlenInfo
+    m_begin: Int32
+    m_end: Int32
+    # Varlen: the grid covers the longest sequence; a shorter one's extra key blocks have no
+    # keys. Every role skips such a tile the same way (persistent) or the whole CTA leaves.
+    has_keys: bool
+
+
+@dataclass(frozen=True)
+class PersistentTiles:
+    """Persistent: tile numbers (common/scheduler.py) and how one becomes a KeyTile."""
+    tile_at: Callable  # (n_block, head, batch) -> KeyTile
+    num_blocks: Int32
+    nheads: Int32
+    num_hb: Int32      # heads * batch
+    section: Int32     # heads per L2 section
+
+    def num_tiles(self):
+        return scheduler.num_tiles(self.num_blocks, self.num_hb)
+
+    def tile(self, t: Int32) -> KeyTile:
+        # Key blocks ascending: the longest first (causal) and n after n-1 (deterministic).
+        return self.tile_at(*scheduler.tile_coords(t, self.num_blocks, self.nheads,
+                                                   self.num_hb, self.section, False))
+
+
 class FlashBwdSm90:
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
                  deterministic: bool = False, varlen: bool = False):
@@ -137,6 +192,7 @@ class FlashBwdSm90:
         into a query block's dQaccum in key-block order (a semaphore per query block).
         ``varlen``: packed sequences (see the module docstring)."""
         self.deterministic = deterministic
+        self.persistent = cfg.persistent
         self.varlen = varlen
         self.dtype = dtype
         self.dkv_dtype = dtype if dkv_dtype is None else dkv_dtype
@@ -156,14 +212,17 @@ class FlashBwdSm90:
                  mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32, dk_scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-                 max_seqlen_k: Optional[Int32], stream: cuda.CUstream):
+                 max_seqlen_k: Optional[Int32], num_sms: Optional[Int32],
+                 heads_per_section: Optional[Int32], stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
         dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
         (b, h, sq_pad / tm) int32, zeroed (read only when deterministic); the five varlen
         arguments None. Varlen: the batch mode goes, rows are packed (Q, dO, K, V, dK, dV
         (total, heads, d)) or padded (mLSE, mD (h, rows), mdQaccum (h, rows, d), mSem
-        (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_k sizes the grid."""
+        (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_k sizes the grid.
+        Persistent only (else None): num_sms bounds the grid; heads_per_section is the
+        scheduler's L2 section (kernels/common/scheduler.py)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
@@ -246,12 +305,18 @@ class FlashBwdSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
 
         self.shared_storage = SharedStorage
+        if const_expr(self.persistent):
+            num_hb = mQ.shape[2] * num_batch
+            grid = scheduler.persistent_grid(scheduler.num_tiles(num_n_blocks, num_hb), num_sms)
+            sched = (num_n_blocks, num_hb, heads_per_section)
+        else:
+            grid, sched = [num_n_blocks, mQ.shape[2], num_batch], (None, None, None)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mD, mdQaccum, mdK, mdV, mSem,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                    mSeqUsedK).launch(
-            grid=[num_n_blocks, mQ.shape[2], num_batch],
+                    mSeqUsedK, *sched).launch(
+            grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ---------------------------------------------------------------------------- device
@@ -267,7 +332,8 @@ class FlashBwdSm90:
                sdQ_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-               mSeqUsedK: Optional[cute.Tensor]):
+               mSeqUsedK: Optional[cute.Tensor], num_n_blocks: Optional[Int32],
+               num_hb: Optional[Int32], section: Optional[Int32]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
@@ -288,35 +354,65 @@ class FlashBwdSm90:
         sD = storage.sD.get_tensor(sLSE_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
-        n_block, head, batch = cute.arch.block_idx()
-        seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                                pad_tile_m=self.tile_m)
-        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
-        m_begin = Int32(0)
-        if const_expr(self.causal):
-            m_begin = block_info.m_block_min_causal(n_block, self.tile_m, self.tile_n,
-                                                    seqlen_q, seqlen_k)
-        m_end = cute.ceil_div(seqlen_q, self.tile_m)
-        # Varlen: the grid covers the longest sequence; a shorter one's extra key blocks have
-        # no keys. Uniform over the CTA and before any pipeline or named barrier is used, so
-        # every warp leaves together (the barriers above are only initialised).
-        has_keys = True if const_expr(not self.varlen) else n_block * self.tile_n < seqlen_k
-        if has_keys:
+        tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
+                          mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
+        if const_expr(self.persistent):
+            # Every role walks the same tiles (each_tile) and skips the same empty ones.
+            tiles = PersistentTiles(tile_at, num_n_blocks, mQ.shape[2], num_hb, section)
+            run = True
+        else:
+            # One tile per CTA; an empty one (varlen) leaves before any pipeline wait or named
+            # barrier, uniformly over the CTA (the barriers above were only initialised).
+            tiles = tile_at(*cute.arch.block_idx())
+            run = tiles.has_keys
+        if run:
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(LOAD_REGS)
                 if warp_idx == 0:
-                    head_kv = head // (mQ.shape[2] // mK.shape[2])
                     self.load(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q,
                               tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do,
-                              n_block, head, head_kv, batch, m_begin, m_end, seq)
+                              tiles)
                 if warp_idx == DQ_WARP:
-                    self.dq_reduce(mdQaccum, mSem, sdQ, n_block, head, batch, m_begin, m_end,
-                                   seq)
+                    self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD,
-                         sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, n_block, head,
-                         batch, m_begin, m_end, seq)
+                         sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tiles)
+
+    @cute.jit
+    def key_tile(self, n_block: Int32, head: Int32, batch: Int32, mQ: cute.Tensor,
+                 mK: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
+                 mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+                 mSeqUsedK: Optional[cute.Tensor]) -> KeyTile:
+        seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                                pad_tile_m=self.tile_m)
+        m_begin = Int32(0)
+        if const_expr(self.causal):
+            m_begin = block_info.m_block_min_causal(n_block, self.tile_m, self.tile_n,
+                                                    seq.seqlen_q, seq.seqlen_k)
+        m_end = cute.ceil_div(seq.seqlen_q, self.tile_m)
+        has_keys = True if const_expr(not self.varlen) else n_block * self.tile_n < seq.seqlen_k
+        return KeyTile(n_block, head, batch, seq, m_begin, m_end, has_keys)
+
+    @cute.jit
+    def each_tile(self, tiles: Union[KeyTile, PersistentTiles], body, carry):
+        """``carry = body(tile, carry)`` over this CTA's tiles: its one KeyTile, or
+        (persistent) its scheduler.for_each_tile numbers that have keys. Every role walks the
+        same sequence, so pipeline states, named barriers and the dQ hand-off stay matched
+        across tiles."""
+        if const_expr(isinstance(tiles, KeyTile)):
+            carry = body(tiles, carry)
+        else:
+            carry = scheduler.for_each_tile(tiles.num_tiles(),
+                                            partial(self.visit_tile, tiles, body), carry)
+        return carry
+
+    @cute.jit
+    def visit_tile(self, tiles: PersistentTiles, body, t: Int32, carry):
+        tile = tiles.tile(t)
+        if tile.has_keys:
+            carry = body(tile, carry)
+        return carry
 
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -324,10 +420,27 @@ class FlashBwdSm90:
              sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
              tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
              tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
-             pipe_q, pipe_do, n_block: Int32, head: Int32, head_kv: Int32, batch: Int32,
-             m_begin: Int32, m_end: Int32, seq: SeqlenInfo):
-        """Producer: K and V once, then (Q, LSE) and (dO, D) for each query block in order."""
+             pipe_q, pipe_do, tiles):
+        """Producer: per tile, K and V, then (Q, LSE) and (dO, D) for each query block in
+        order. The pipeline states run on across tiles."""
+        body = partial(self.load_tile, mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
+                       tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
+        self.each_tile(tiles, body, (kv, st))
+
+    @cute.jit
+    def load_tile(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                  mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+                  sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
+                  tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+                  tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
+                  pipe_q, pipe_do, tile: KeyTile, states):
+        """One tile's loads; returns the advanced (kv, q/dO) producer states."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
+        kv, st = states
+        n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seq.q_rows(mQ, head, batch), (tm, d), (None, 0))
         gdO = cute.local_tile(seq.q_rows(mdO, head, batch), (tm, d), (None, 0))
         gK = cute.local_tile(seq.k_rows(mK, head_kv, batch), (tn, d), (n_block, 0))
@@ -341,12 +454,12 @@ class FlashBwdSm90:
         tLsL, tLgL = tma_split(tma_lse, sLSE, gLSE, rank=1)
         tDsD, tDgD = tma_split(tma_d, sD, gD, rank=1)
 
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        # Persistent: waits until the mma warpgroups released the previous tile's K and V.
         pipe_kv.producer_acquire(kv)
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
         cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
-        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
-        for m_block in cutlass.range(m_begin, m_end, unroll=1):
+        kv.advance()
+        for m_block in cutlass.range(tile.m_begin, tile.m_end, unroll=1):
             pipe_q.producer_acquire(st)
             bar_q = pipe_q.producer_get_barrier(st)
             cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, st.index], tma_bar_ptr=bar_q)
@@ -356,17 +469,16 @@ class FlashBwdSm90:
             cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, st.index], tma_bar_ptr=bar_do)
             cute.copy(tma_d, tDgD[None, m_block], tDsD[None, st.index], tma_bar_ptr=bar_do)
             st.advance()
+        return kv, st
 
     @cute.jit
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
             mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
             sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor, sLSE: cute.Tensor,
             sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv, pipe_q, pipe_do, scale_log2: Float32,
-            dk_scale: Float32, n_block: Int32, head: Int32, batch: Int32, m_begin: Int32,
-            m_end: Int32, seq: SeqlenInfo):
-        """MMA warpgroups: the loop over query blocks, then the dK / dV epilogue."""
+            dk_scale: Float32, tiles):
+        """MMA warpgroups: per tile, the loop over query blocks, then the dK / dV epilogue."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
-        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_sdp = mma_sdp.get_slice(wg * WG_THREADS)
@@ -383,8 +495,6 @@ class FlashBwdSm90:
         tdKrdS = mma_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         tdVrdV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, d)), Float32)
         tdKrdK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, d)), Float32)
-        tdVrdV.fill(0.0)
-        tdKrdK.fill(0.0)
 
         chunk = self.cfg.dq_chunk
         if const_expr(self.cfg.dq_split == "alt"):
@@ -418,7 +528,29 @@ class FlashBwdSm90:
         tScS = mma_sdp.get_slice(tidx).partition_C(cS)
         t0ScS = mma_sdp.get_slice(0).partition_C(cS)
 
+        frags = (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO,
+                 tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
+        body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, mdK, mdV, sQ, sK, sV,
+                       sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+        self.each_tile(tiles, body, (kv, st))
+
+    @cute.jit
+    def mma_tile(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+                 frags, mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+                 sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv,
+                 pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tidx: Int32,
+                 wg: Int32, tile: KeyTile, states):
+        """One tile: zero dK / dV, the query blocks, the epilogue; returns the advanced
+        (kv, q/dO) consumer states."""
+        tm, tn = self.tile_m, self.tile_n
+        kv, st = states
+        n_block, m_begin, m_end, seq = tile.n_block, tile.m_begin, tile.m_end, tile.seq
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+        tdVrdV, tdKrdK = frags[4], frags[5]
+        tdVrdV.fill(0.0)
+        tdKrdK.fill(0.0)
         pipe_kv.consumer_wait(kv)
         # Varlen: the query block where the sequence ends mid-block (-1: none) and its rows.
         q_tail, q_tail_rows = Int32(-1), Int32(0)
@@ -428,11 +560,8 @@ class FlashBwdSm90:
                 self.zero_tail_rows((sK, sV), keys, tidx)
             q_tail_rows = seqlen_q - (m_end - 1) * tm
             q_tail = m_end - 1 if q_tail_rows < tm else Int32(-1)
-        st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         m_mask_end = cutlass.max(m_begin, block_info.m_block_mask_end(
             n_block, tm, tn, seqlen_q, seqlen_k, self.causal))
-        frags = (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO,
-                 tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
         for m_block in cutlass.range(m_begin, cutlass.min(m_mask_end, m_end), unroll=1):
             st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
@@ -441,9 +570,14 @@ class FlashBwdSm90:
             st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
                              q_tail, q_tail_rows)
-
-        self.epilogue(mma_dkv, tdKrdK, tdVrdV, mdK, mdV, dk_scale, tidx, n_block, head, batch,
-                      seq)
+        if const_expr(self.persistent):
+            # The last reads of sK / sV (the dQ wgmma) were waited on in the last m_step: the
+            # load warp may bring the next tile's K and V in under this epilogue.
+            pipe_kv.consumer_release(kv)
+        kv.advance()
+        self.epilogue(mma_dkv, tdKrdK, tdVrdV, mdK, mdV, dk_scale, tidx, n_block, tile.head,
+                      tile.batch, seq)
+        return kv, st
 
     @cute.jit
     def zero_tail_rows(self, tiles, rows: Int32, tidx: Int32):
@@ -480,6 +614,9 @@ class FlashBwdSm90:
          tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
         tm, tn = self.tile_m, self.tile_n
         s = st.index
+        # The CTA's running query-block count: sdS buffers and "alt" dQ turns alternate
+        # strictly, also across a tile boundary (m_block may restart at an equal parity).
+        step = st.count if const_expr(self.persistent) else m_block
         if const_expr(self.varlen):
             if m_block == q_tail:  # the sequence ends inside this block
                 pipe_q.consumer_wait(st)  # the waits below then pass at once
@@ -519,10 +656,9 @@ class FlashBwdSm90:
         rdS.store(tdPrdP.load().to(self.dtype))
         tdKrdS.store(acc_as_operand_a(rdS).load())
 
-        # dS^T rows -> sdS buffer m % 2, then both warpgroups meet (the dQ wgmma reads all of
-        # sdS); the buffer was last read by block m-2's dQ, waited on before block m-1's
-        # barrier.
-        buf = m_block % 2
+        # dS^T rows -> sdS buffer step % 2, then both warpgroups meet (the dQ wgmma reads all of
+        # sdS); the buffer was last read by step-2's dQ, waited on before step-1's barrier.
+        buf = step % 2
         cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS[None, None, None, buf])
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
         cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
@@ -532,7 +668,7 @@ class FlashBwdSm90:
 
         # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
         cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
-        if wg == m_block % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
+        if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
             for c in cutlass.range_constexpr(len(tdQrK)):
                 gemm(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK[c], zero_init=True,
                      wait_group=0)
@@ -548,24 +684,45 @@ class FlashBwdSm90:
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
-                  n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
-                  seq: SeqlenInfo):
-        """dQ warp: per query block, add the sdQ tile(s) into the block's dQaccum rows with TMA
-        bulk reductions; sdQ is handed back once the reductions have read it.
+                  tiles):
+        """dQ warp: per tile and query block, add the sdQ tile into the block's dQaccum rows
+        with a TMA bulk reduction; sdQ is handed back once the reduction has read it."""
+        lane = cute.arch.lane_idx()
+        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
+                tile: KeyTile, carry):
+        """The sdQ hand-off, per query block: DQ_EMPTY (dQ warp arrives, mma warpgroups wait)
+        then DQ_FULL (mma warpgroups arrive, dQ warp waits), one of each per block. One CTA
+        per tile: the first arrive precedes the loop and the last block's is skipped, so no
+        arrive is left without its wait. Persistent: the arrive opens every block, so the
+        counts match per block whatever the tiles' block counts (even 0), and each arrive
+        still follows the previous reduction's read of sdQ (this tile's or the previous
+        one's).
 
         Deterministic: the key blocks adding into query block m are 0 .. N(m)-1 (causal drops a
         suffix, never a prefix), so key block n waits until m's semaphore reads n, adds, waits
-        for its adds to land, then increments it. Lower key blocks launch first (they are
-        blockIdx.x), so the wait cannot deadlock. Varlen: rows and semaphores of the padded
-        layout (one per padded query tile)."""
+        for its adds to land, then increments it. It cannot deadlock: one CTA per tile, lower
+        key blocks launch first (they are blockIdx.x); persistent, key blocks 0 .. n-1 of the
+        (head, batch) are lower tiles than n (each_tile), and scheduler.py's induction
+        applies. Varlen: rows and semaphores of the padded layout (one per padded query
+        tile)."""
         tm = self.tile_m
+        n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
+        m_begin, m_end = tile.m_begin, tile.m_end
         # A tile is tm padded rows; the last row's padding may lie past the allocation.
         tile_bytes = (tm * self.cfg.dq_row - DQ_ROW_PAD) * 4
-        lane = cute.arch.lane_idx()
-        if m_begin < m_end:
-            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
-                                     number_of_threads=DQ_THREADS)
+        if const_expr(not self.persistent):
+            if m_begin < m_end:
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
+                                         number_of_threads=DQ_THREADS)
         for m_block in cutlass.range(m_begin, m_end, unroll=1):
+            if const_expr(self.persistent):
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
+                                         number_of_threads=DQ_THREADS)
             cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
             if lane == 0:
                 gdQ = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, self.d),
@@ -588,11 +745,11 @@ class FlashBwdSm90:
                 else:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.sync_warp()
-            if m_block + 1 < m_end:  # no arrive without a matching wait after the last block
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
-                                         number_of_threads=DQ_THREADS)
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            if const_expr(not self.persistent):
+                if m_block + 1 < m_end:  # no arrive without a matching wait after the last
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
+                                             number_of_threads=DQ_THREADS)
+        return carry
 
     @cute.jit
     def epilogue(self, mma_dkv: cute.TiledMma, tdKrdK: cute.Tensor, tdVrdV: cute.Tensor,
