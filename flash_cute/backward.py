@@ -330,6 +330,19 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _require_runnable(d: int, device=None):
+    """NotImplementedError for a head dim without fused kernels, or (with ``device``) a GPU
+    other than sm_90."""
+    if d not in BWD_SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"flash_cute fused backward: head_dim={d} is not supported "
+                                  f"(supported: {BWD_SUPPORTED_HEAD_DIMS})")
+    if device is not None:
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) != (9, 0):
+            raise NotImplementedError(f"flash_cute fused backward targets sm_90a; this GPU is "
+                                      f"sm_{major}{minor}")
+
+
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float, causal: bool,
         deterministic: bool = False, persistent: bool | None = None):
@@ -341,19 +354,14 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    if d not in BWD_SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"flash_cute fused backward: head_dim={d} is not supported "
-                                  f"(supported: {BWD_SUPPORTED_HEAD_DIMS})")
+    _require_runnable(d)
     # Contiguous whatever the inputs' strides: the layout flash_cute::bwd's fake promises.
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if dq.numel() == 0 or sk == 0:   # no queries or no keys: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_()
     if dk.numel() == 0:
         return dq.zero_(), dk, dv
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if (major, minor) != (9, 0):
-        raise NotImplementedError(f"flash_cute fused backward targets sm_90a; this GPU is "
-                                  f"sm_{major}{minor}")
+    _require_runnable(d, q.device)
     cfg = BwdSm90Config.for_head_dim(d)
     gqa = h != hk
     persistent = persistent_bwd_enabled() if persistent is None else bool(persistent)
@@ -403,18 +411,13 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
-    if d not in BWD_SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"flash_cute fused backward: head_dim={d} is not supported "
-                                  f"(supported: {BWD_SUPPORTED_HEAD_DIMS})")
+    _require_runnable(d)
     dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if total_q == 0 or total_k == 0 or batch == 0 or h == 0:  # no scores at all: all 0
         return dq.zero_(), dk.zero_(), dv.zero_()
     if seqused_k is not None:  # the kernel writes no key row past seqused_k
         dk.zero_(), dv.zero_()
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if (major, minor) != (9, 0):
-        raise NotImplementedError(f"flash_cute fused backward targets sm_90a; this GPU is "
-                                  f"sm_{major}{minor}")
+    _require_runnable(d, q.device)
     cfg = BwdSm90Config.for_head_dim(d)
     gqa = h != hk
     persistent = persistent_bwd_enabled() if persistent is None else bool(persistent)
