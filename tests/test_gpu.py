@@ -442,17 +442,29 @@ def varlen_run_and_check(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, seq
 EDGE_LENGTHS = [0, 1, 2, 63, 64, 65, 79, 80, 81, 111, 113, 127, 128, 129, 255, 1500]
 
 
-@settings(max_examples=30, deadline=None)
-@given(data=st.data())
-def test_varlen_forward_random_lengths(data):
-    lengths = st.one_of(st.sampled_from(EDGE_LENGTHS), st.integers(0, 400))
-    b = data.draw(st.integers(1, 6), label="batch")
+def draw_lengths(data, *, max_batch, max_len):
+    """Per-sequence (lens_q, lens_k): tile edges or anything up to max_len; often equal."""
+    lengths = st.one_of(st.sampled_from(EDGE_LENGTHS), st.integers(0, max_len))
+    b = data.draw(st.integers(1, max_batch), label="batch")
     lens_q = data.draw(st.lists(lengths, min_size=b, max_size=b), label="lens_q")
     same = data.draw(st.booleans(), label="lens_k = lens_q")
     lens_k = lens_q if same else data.draw(st.lists(lengths, min_size=b, max_size=b),
                                            label="lens_k")
+    return lens_q, lens_k
+
+
+def draw_heads(data):
+    """(nheads, nheads_kv) with nheads_kv dividing nheads: MHA, GQA and MQA."""
     h = data.draw(st.sampled_from([1, 2, 4, 6]), label="nheads")
     hk = data.draw(st.sampled_from([x for x in (1, 2, 3, 6) if h % x == 0]), label="nheads_kv")
+    return h, hk
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_varlen_forward_random_lengths(data):
+    lens_q, lens_k = draw_lengths(data, max_batch=6, max_len=400)
+    h, hk = draw_heads(data)
     d = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
     causal = data.draw(st.booleans(), label="causal")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
@@ -638,15 +650,9 @@ def test_varlen_grads_nan_past_seqused(d, causal):
 def test_varlen_grads_random_lengths(data):
     """Fused varlen backward vs the oracle over drawn length lists (0, 1, tile edges, one long
     sequence likely), causal or not, GQA, both dtypes, the fused head dims."""
-    lengths = st.one_of(st.sampled_from(EDGE_LENGTHS), st.integers(0, 300))
-    b = data.draw(st.integers(1, 5), label="batch")
-    lens_q = data.draw(st.lists(lengths, min_size=b, max_size=b), label="lens_q")
-    same = data.draw(st.booleans(), label="lens_k = lens_q")
-    lens_k = lens_q if same else data.draw(st.lists(lengths, min_size=b, max_size=b),
-                                           label="lens_k")
+    lens_q, lens_k = draw_lengths(data, max_batch=5, max_len=300)
     assume(sum(lens_q) > 0 and sum(lens_k) > 0)  # else the oracle has no graph to differentiate
-    h = data.draw(st.sampled_from([1, 2, 4, 6]), label="nheads")
-    hk = data.draw(st.sampled_from([x for x in (1, 2, 3, 6) if h % x == 0]), label="nheads_kv")
+    h, hk = draw_heads(data)
     d = data.draw(st.sampled_from([64, 96, 128]), label="head_dim")
     causal = data.draw(st.booleans(), label="causal")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
