@@ -28,8 +28,8 @@ VARIANTS = {
 }
 if len(sys.argv) > 1:
     VARIANTS = {n: VARIANTS[n] for n in sys.argv[1:]}
-SHAPES = [(128, 16384, False), (64, 4096, False), (64, 16384, True), (96, 4096, False),
-          (128, 2048, True), (64, 1024, True)]
+SHAPES = [(128, 16384, False), (128, 16384, True), (64, 4096, False), (64, 16384, True),
+          (96, 4096, False), (128, 2048, True), (64, 1024, True)]
 ROUNDS = 5
 
 
