@@ -23,8 +23,8 @@ class FwdSm90Config:
     # (-2% non-causal, +4% causal), -5..-9% at d=256; on for d=64 only.
     packed_p_cvt: bool = False
     # About one CTA per SM, each walking tiles (common/scheduler.py) instead of one tile per CTA:
-    # the next tile's Q and K/V loads overlap this tile's epilogue. Batched only. Experimental,
-    # not timed yet (docs/performance.md, "Persistent forward").
+    # the next tile's Q and K/V loads overlap this tile's epilogue. Batched only; chosen per
+    # call by use_persistent_fwd (docs/performance.md, "Persistent forward").
     persistent: bool = False
 
     def __post_init__(self):
@@ -51,7 +51,7 @@ class FwdSm90Config:
 
 # Persistent forward: the config overrides per (head dim, causal) under which it compiles clean
 # (no spills, no wgmma serialized; docs/performance.md, "Persistent forward"), the shipped P
-# conversion wherever that is clean. Not timed yet.
+# conversion wherever that is clean.
 PACKED = {"packed_p_cvt": True}
 PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
                   (128, False): PACKED, (128, True): {}, (192, False): PACKED, (192, True): {},
@@ -64,15 +64,15 @@ def persistent_fwd_overrides(d: int, causal: bool):
     return None if extra is None else {"persistent": True, **extra}
 
 
-def use_persistent_fwd(num_tiles: int, num_sms: int) -> bool:
-    """Per-call choice (the SM90 forward fills an SM with one CTA): persistent only with more
-    than one wave of tiles. With at most one tile per SM both launches run the same tiles and
-    the persistent one has nothing to overlap. Past one wave it saves each later tile the CTA
-    start (barrier init, register reallocation) and loads its first K block under the previous
-    tile's epilogue; against that, its tiles are dealt statically, where the hardware hands the
-    one-tile CTAs to whichever SM frees first (the scheduler's alternating rounds even out the
-    longest-first tiles, not the run-time jitter)."""
-    return num_tiles > num_sms
+def use_persistent_fwd(num_tiles: int, num_sms: int, causal: bool) -> bool:
+    """Per-call choice (the SM90 forward fills an SM with one CTA; docs/performance.md,
+    "Persistent forward"). Persistent only past one wave of tiles: with at most one tile per SM
+    both launches run the same tiles and the persistent one has nothing to overlap. Past one
+    wave each later tile skips the CTA start and loads its first K block under the previous
+    tile's epilogue: +2-11% non-causal on the H200. Not causal: its static deal of unequal
+    tiles lost 9-40% at 2k-16k to the one-tile-per-CTA grid, where the hardware hands the
+    longest-first tiles to whichever SM frees first."""
+    return num_tiles > num_sms and not causal
 
 
 L2_BYTES_FOR_KV = 50 * 1024 * 1024  # H200 L2 is 60 MB (H100 50 MB); leave room for Q and O

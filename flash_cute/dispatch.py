@@ -26,9 +26,9 @@ _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
 _cache: dict = {}
 _cache_lock = threading.Lock()
-# The persistent forward is an experiment, not timed yet: only this variable turns it on.
-# "1": where config.use_persistent_fwd says, one CTA per SM; "ctas=N": on every batched call
-# at a head dim it supports, N CTAs (tests: long tile walks on small problems).
+# Persistent forward. Unset or "auto": where config.use_persistent_fwd says (non-causal, more
+# tiles than SMs), one CTA per SM; "0": never; "1": past one wave, causal too (experiments);
+# "ctas=N": on every batched call, N CTAs (tests: long tile walks on small problems).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 
 
@@ -157,15 +157,18 @@ def num_sms(device: torch.device) -> int:
 def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int):
     """The persistent kernel's CTA budget (SMs x 1 CTA per SM: every forward tile fills an
     SM's registers) when this call should run it, else None."""
-    mode = os.environ.get(PERSISTENT_FWD_ENV, "0")
+    mode = os.environ.get(PERSISTENT_FWD_ENV, "auto")
     overrides = persistent_fwd_overrides(d, causal)
     if mode == "0" or overrides is None:
         return None
     if mode.startswith("ctas="):
         return int(mode[len("ctas="):])
+    if mode not in ("auto", "1"):
+        raise ValueError(f"{PERSISTENT_FWD_ENV}={mode!r}: expected auto, 0, 1 or ctas=N")
     tile_m = dataclasses.replace(FwdSm90Config.for_head_dim(d), **overrides).tile_m
     sms = num_sms(device)
-    return sms if use_persistent_fwd(-(-seqlen_q // tile_m) * num_hb, sms) else None
+    tiles = -(-seqlen_q // tile_m) * num_hb
+    return sms if use_persistent_fwd(tiles, sms, causal and mode == "auto") else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -61,3 +61,18 @@ def test_descending_blocks_would_deadlock():
     deterministic backward (a CTA waits on a block queued behind it on the same CTA)."""
     assert first_stuck(3, 1, 1, 1, grid=1, reverse=True) == [(2, 0, 0)]
     assert first_stuck(4, 2, 1, 2, grid=3, reverse=True) is not None
+
+
+def test_persistent_forward_heuristic():
+    from flash_cute.config import use_persistent_fwd
+    assert use_persistent_fwd(133, 132, causal=False)
+    assert not use_persistent_fwd(132, 132, causal=False)   # one wave: nothing to overlap
+    assert not use_persistent_fwd(4096, 132, causal=True)   # static deal of unequal tiles
+
+
+def test_persistent_forward_env_is_checked(monkeypatch):
+    import torch
+    from flash_cute import dispatch
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "yes")
+    with pytest.raises(ValueError, match="FLASH_CUTE_FWD_PERSISTENT"):
+        dispatch._persistent_ctas(torch.device("cpu"), 128, False, 4096, 64)
