@@ -1,0 +1,43 @@
+"""Model of the persistent forward's tile deal (no GPU): work per CTA in key blocks.
+
+    python bench/sched_model.py
+For causal shapes at 16k tokens, prints max/mean work per CTA for the static alternating walk
+(scheduler.first_tile / next_tile) and for a dynamic deal (each tile, in the same longest-first
+order, to whichever CTA is least loaded: what the hardware does for the one-tile-per-CTA grid
+and an atomic tile counter would do for a persistent one). max/mean bounds the time ratio.
+"""
+import heapq
+
+from flash_cute.config import heads_per_section
+from flash_cute.kernels.common import scheduler
+
+SMS = 132
+
+
+def deal(num_blocks, num_hb, section, ctas, causal=True):
+    def work(t):
+        block = scheduler.tile_coords(t, num_blocks, num_hb, num_hb, section, True)[0]
+        return block + 1 if causal else num_blocks
+    tiles = num_blocks * num_hb
+    static = [0] * ctas
+    for c in range(ctas):
+        t = c
+        while t < tiles:
+            static[c] += work(t)
+            t += 2 * (ctas - c) - 1 if (t // ctas) % 2 == 0 else 2 * c + 1
+    heap = [(0, c) for c in range(ctas)]
+    for t in range(tiles):
+        w, c = heapq.heappop(heap)
+        heapq.heappush(heap, (w + work(t), c))
+    mean = sum(static) / ctas
+    return max(static) / mean, max(w for w, _ in heap) / mean
+
+
+if __name__ == "__main__":
+    for d, s in [(64, 16384), (128, 16384), (256, 16384), (128, 2048), (256, 1024)]:
+        tile_m = 192 if d == 64 else 128
+        num_hb = (16384 // s) * (2048 // d)
+        section = heads_per_section(s, d, 2, num_hb)
+        st, dy = deal(-(-s // tile_m), num_hb, section, SMS)
+        print(f"d={d} s={s} causal: section={section} heads, max/mean static {st:.2f}, "
+              f"dynamic {dy:.3f}")
