@@ -1,0 +1,55 @@
+"""Small forward and backward calls per kernel family, checked against the oracle: the workload
+for compute-sanitizer (memcheck, racecheck, synccheck) on the H200.
+
+    compute-sanitizer --tool memcheck --report-api-errors no python bench/sanitize.py
+    compute-sanitizer --tool racecheck python bench/sanitize.py
+Covers the one-tile forward, the persistent forward (7 CTAs, several tiles each), the fused
+backward (bwd_pre, main, bwd_post; GQA and causal) and the varlen forward and backward.
+"""
+import os
+
+import torch
+
+from flash_cute import flash_attn_func, flash_attn_varlen_func
+from flash_cute.reference import attention_ref, check_close, check_grads_close
+
+
+def grads(q, k, v, dout, causal, upcast):
+    leaves = [(t.float() if upcast else t).detach().requires_grad_() for t in (q, k, v)]
+    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
+    return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
+
+
+def check(d, causal, sq, sk, persistent="auto"):
+    os.environ["FLASH_CUTE_FWD_PERSISTENT"] = persistent
+    q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    out = flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    ref, _ = attention_ref(q, k, v, causal=causal)
+    low, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    check_close(out, ref, low)
+    check_grads_close(got, grads(q, k, v, dout, causal, True), grads(q, k, v, dout, causal, False))
+    print(f"d={d} causal={causal} sq={sq} sk={sk} persistent={persistent}: ok", flush=True)
+
+
+def check_varlen(d, causal, lens=(37, 0, 200, 129)):
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
+                      dtype=torch.int32)
+    q, k, v = (torch.randn(cu[-1].item(), 2, d, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    out = flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    got = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    torch.cuda.synchronize()
+    print(f"varlen d={d} causal={causal} lens={lens}: ran, finite="
+          f"{all(bool(torch.isfinite(g).all()) for g in (out, *got))}", flush=True)
+
+
+check(128, True, 200, 333)
+check(64, False, 130, 70)
+check(128, False, 300, 300, persistent="ctas=7")
+check(96, True, 257, 129)
+check_varlen(128, True)
