@@ -82,18 +82,19 @@ def _num_sms(device_index: int) -> int:
 
 
 def _sched_args(persistent: bool, device: torch.device, seqlen_q: int, d: int, num_hb: int):
-    """The persistent kernel's (SM count, heads per L2 section); (None, None) otherwise.
+    """(SM count or None, heads per L2 section) for the main kernel's tile order.
 
     A section's heads keep what every key block of a head re-reads in L2: Q and dO (2 bytes
     per element) and dQaccum (4), so 8 bytes per (row, d) element: heads_per_section's
-    2 * elem_bytes with elem_bytes = 4."""
+    2 * elem_bytes with elem_bytes = 4. The SM count bounds the persistent grid only."""
+    section = heads_per_section(seqlen_q, d, 4, num_hb)
     if not persistent:
-        return None, None
+        return None, section
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     override = int(os.environ.get(NUM_SMS_ENV, "0"))
     if override > 0:  # never more CTAs than SMs: the deterministic waits need them all resident
         num_sms = min(override, num_sms)
-    return num_sms, heads_per_section(seqlen_q, d, 4, num_hb)
+    return num_sms, section
 
 
 def unsupported_bwd_option(*, head_dim: int, window_size=(-1, -1),
@@ -231,8 +232,8 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
                 cutlass.Int32, sem_shape, stride_order=tuple(range(len(sem_shape)))[::-1],
                 assumed_align=4),
             cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args,
-            # Persistent: SM count and heads per L2 section, runtime values; else None.
-            *((cutlass.Int32(1),) * 2 if cfg.persistent else (None, None)))
+            # SM count (persistent only, else None) and heads per L2 section: runtime values.
+            cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1))
     return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 

@@ -148,7 +148,9 @@ def test_fused_bwd_env_flag(monkeypatch):
     assert not backward.persistent_bwd_enabled()
     monkeypatch.setenv(backward.PERSISTENT_ENV, "1")
     assert backward.persistent_bwd_enabled()
-    assert backward._sched_args(False, None, 4096, 128, 32) == (None, None)
+    # One tile per CTA: no SM count, but the L2 section of the tile numbering (8 heads of
+    # Q + dO + dQaccum at 4 MB each fit the 50 MB budget).
+    assert backward._sched_args(False, None, 4096, 128, 32) == (None, 8)
 
 
 # ------------------------------------------------------------- float64 emulation of the plan

@@ -22,11 +22,14 @@ partial (fp32) to shared memory (sdQ) and the dQ warp adds it to dQaccum with on
 reduce-add per query block (deterministic: in key-block order, behind a semaphore per query
 block).
 
-Scheduling: by default one CTA per tile, grid (n_blocks, heads, batch). Persistent
-(``cfg.persistent``): min(tiles, SMs) CTAs, each looping over tiles blockIdx.x, + gridDim.x,
-... in common/scheduler.py order (key blocks ascending = longest first under causal, heads in
-L2 sections); every role walks the same tiles (``each_tile``), so the per-tile protocol below
-repeats, with the cross-tile points noted where they differ.
+Scheduling: tiles are numbered in common/scheduler.py order (heads in L2 sections; inside a
+section key blocks ascending = longest first under causal, heads fastest). By default one CTA
+per tile, tile = blockIdx.x, so the hardware deals the longest tiles first to whichever SM is
+free (modeled in bench/sched_model.py: the (key block, head, batch) grid it replaced left a
+tail of up to 7% at s = 1-4k causal). Persistent (``cfg.persistent``): min(tiles, SMs) CTAs,
+each looping over tiles blockIdx.x, + gridDim.x, ...; every role walks the same tiles
+(``each_tile``), so the per-tile protocol below repeats, with the cross-tile points noted
+where they differ.
 
 Warp roles (3 warpgroups, 384 threads):
 
@@ -213,7 +216,7 @@ class FlashBwdSm90:
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                  max_seqlen_k: Optional[Int32], num_sms: Optional[Int32],
-                 heads_per_section: Optional[Int32], stream: cuda.CUstream):
+                 heads_per_section: Int32, stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
         dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
@@ -221,8 +224,8 @@ class FlashBwdSm90:
         arguments None. Varlen: the batch mode goes, rows are packed (Q, dO, K, V, dK, dV
         (total, heads, d)) or padded (mLSE, mD (h, rows), mdQaccum (h, rows, d), mSem
         (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_k sizes the grid.
-        Persistent only (else None): num_sms bounds the grid; heads_per_section is the
-        scheduler's L2 section (kernels/common/scheduler.py)."""
+        num_sms bounds the persistent grid (else None); heads_per_section is the scheduler's
+        L2 section (kernels/common/scheduler.py), for both launch styles."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
@@ -305,12 +308,12 @@ class FlashBwdSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
 
         self.shared_storage = SharedStorage
+        num_hb = mQ.shape[2] * num_batch
+        sched = (num_n_blocks, num_hb, heads_per_section)
         if const_expr(self.persistent):
-            num_hb = mQ.shape[2] * num_batch
             grid = scheduler.persistent_grid(scheduler.num_tiles(num_n_blocks, num_hb), num_sms)
-            sched = (num_n_blocks, num_hb, heads_per_section)
         else:
-            grid, sched = [num_n_blocks, mQ.shape[2], num_batch], (None, None, None)
+            grid = scheduler.grid_shape(num_n_blocks, mQ.shape[2], num_batch)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mD, mdQaccum, mdK, mdV, mSem,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
@@ -332,8 +335,8 @@ class FlashBwdSm90:
                sdQ_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-               mSeqUsedK: Optional[cute.Tensor], num_n_blocks: Optional[Int32],
-               num_hb: Optional[Int32], section: Optional[Int32]):
+               mSeqUsedK: Optional[cute.Tensor], num_n_blocks: Int32, num_hb: Int32,
+               section: Int32):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
@@ -361,9 +364,11 @@ class FlashBwdSm90:
             tiles = PersistentTiles(tile_at, num_n_blocks, mQ.shape[2], num_hb, section)
             run = True
         else:
-            # One tile per CTA; an empty one (varlen) leaves before any pipeline wait or named
-            # barrier, uniformly over the CTA (the barriers above were only initialised).
-            tiles = tile_at(*cute.arch.block_idx())
+            # One tile per CTA, numbered like the persistent walk (L2 sections, longest
+            # first); an empty one (varlen) leaves before any pipeline wait or named barrier,
+            # uniformly over the CTA (the barriers above were only initialised).
+            tiles = tile_at(*scheduler.current_tile(num_n_blocks, mQ.shape[2], num_hb, section,
+                                                    False))
             run = tiles.has_keys
         if run:
             if warp_idx // 4 == 0:
