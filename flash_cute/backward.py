@@ -205,10 +205,12 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
     import cutlass.cute as cute
 
     from .kernels.sm90.bwd import FlashBwdSm90
+    from .kernels.sm90.bwd_wide import FlashBwdWideSm90
 
     _check_arch(arch)
     dt = getattr(cutlass, dtype_name)
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
+    kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
     dkv_dt = cutlass.Float32 if gqa else dt
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
     dkv_heads = h if gqa else hk
@@ -233,7 +235,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args,
             # Persistent: SM count and heads per L2 section, runtime values; else None.
             *((cutlass.Int32(1),) * 2 if cfg.persistent else (None, None)))
-    return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
+    return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 
 
