@@ -44,7 +44,7 @@ Shared memory (2-byte elements unless noted; tile_m = tile_n = 64):
     d=192, 2 stages: 48 + 96 + 16 + 50 KB (sdQ) + 2 KB = 212 KB (217088 bytes)
     d=256, 1 stage:  64 + 64 + 16 + 66 KB (sdQ) + 1 KB = 211 KB (216064 bytes)   (limit 227 KB)
 d=256 with one stage loads block m+1's Q / dO only once block m released them (no prefetch
-across blocks). Two stages (+64 KB) would need the fp32 sdQ tile (66 KB) to shrink to ~16 KB:
+across blocks). Two stages (+64 KB) would need the fp32 sdQ tile (66 KB) to shrink to ~18 KB:
 dQ handed to the dQ warp in 64 x 64 column chunks (a TMA tensor reduce-add per chunk, four per
 block, each chunk's buffer double-buffered against the reduction), or a second stage for dO
 only (+32 KB) with sdQ halved (two 32-column-chunk rounds per warpgroup, two reductions per
