@@ -33,7 +33,7 @@ SHAPES = [(1, 1), (3, 3), (239, 1), (1, 239), (113, 203), (203, 113), (128, 128)
 
 def cases():
     out = []
-    for d in (64, 96, 128):
+    for d in (64, 96, 128, 192, 256):  # 192/256: kernels/sm90/bwd_wide.py
         for sq, sk in SHAPES:
             for causal in (False, True):
                 out.append(dict(b=2, sq=sq, sk=sk, h=3, hk=3, d=d, causal=causal,
@@ -46,6 +46,8 @@ def cases():
         out.append(dict(b=2, sq=333, sk=1000, h=2, hk=2, d=d, causal=True, dtype=torch.float16))
         out.append(dict(b=1, sq=1000, sk=333, h=4, hk=2, d=d, causal=True, dtype=torch.float16))
     out.append(dict(b=1, sq=8192, sk=8192, h=2, hk=2, d=128, causal=True, dtype=torch.bfloat16))
+    out.append(dict(b=1, sq=4096, sk=4096, h=2, hk=2, d=256, causal=True, dtype=torch.bfloat16))
+    out.append(dict(b=1, sq=4096, sk=4096, h=2, hk=1, d=192, causal=False, dtype=torch.float16))
     return out
 
 

@@ -54,6 +54,9 @@ def case(i, d, causal, h=4, hk=2, dtype=BF16, kind="oracle"):
 def cases():
     out = [case(i, 128, c) for i in range(len(LENGTHS)) for c in (False, True)]
     out += [case(i, d, c) for d in (64, 96) for i in (0, 3, 4, 6) for c in (False, True)]
+    # The wide kernel (d 192/256, 64-key blocks): NaN past seqused (4), many short (3), GQA fp16.
+    out += [case(i, d, c) for d in (192, 256) for i in (3, 4) for c in (False, True)]
+    out += [case(6, 192, True, h=6, hk=1, dtype=FP16), case(4, 256, True, kind="deterministic")]
     # Few new compiled variants beyond these (the whole run must stay under 3 minutes):
     # non-GQA, MQA in fp16, deterministic, batched for the per-sequence comparison.
     out += [case(3, 128, True, h=4, hk=4), case(6, 128, True, h=6, hk=6),

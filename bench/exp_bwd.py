@@ -2,6 +2,7 @@
 
     python bench/exp_bwd.py                         # every variant
     python bench/exp_bwd.py default persistent      # only these, still interleaved
+    python bench/exp_bwd.py --d 256 default         # only the shapes of these head dims
 A variant is a BwdSm90Config override of the main kernel (or deterministic=True); preprocess and
 postprocess are the shipped ones. "persistent" (BwdSm90Config.persistent) launches min(tiles,
 SMs) CTAs looping over key-block tiles (its expected gains: causal, short sequences).
@@ -26,10 +27,19 @@ VARIANTS = {
     "deterministic": {"deterministic": True},
     "persistent": {"persistent": True},
 }
-if len(sys.argv) > 1:
-    VARIANTS = {n: VARIANTS[n] for n in sys.argv[1:]}
+ARGS = sys.argv[1:]
+ONLY_D = None
+if "--d" in ARGS:  # --d 192,256
+    i = ARGS.index("--d")
+    ONLY_D = {int(x) for x in ARGS[i + 1].split(",")}
+    del ARGS[i:i + 2]
+if ARGS:
+    VARIANTS = {n: VARIANTS[n] for n in ARGS}
 SHAPES = [(128, 16384, False), (128, 16384, True), (64, 4096, False), (64, 16384, True),
-          (96, 4096, False), (128, 2048, True), (64, 1024, True)]
+          (96, 4096, False), (128, 2048, True), (64, 1024, True),
+          # The wide kernel (kernels/sm90/bwd_wide.py): only "default" and "deterministic" apply.
+          (256, 4096, False), (256, 16384, True), (192, 4096, False), (192, 16384, True)]
+WIDE_VARIANTS = ("default", "deterministic")
 ROUNDS = 5
 
 
@@ -55,6 +65,8 @@ def grads(q, k, v, dout, causal, upcast):
 
 
 for d, s, causal in SHAPES:
+    if ONLY_D is not None and d not in ONLY_D:
+        continue
     b, h = 16384 // s, 2048 // d
     q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
                      for _ in range(4))
@@ -67,6 +79,8 @@ for d, s, causal in SHAPES:
     ref, low = (grads(qs, ks, vs, dos, causal, up) for up in (True, False))
     fns = {}
     for name, kw in VARIANTS.items():
+        if d in backward.BWD_WIDE_HEAD_DIMS and name not in WIDE_VARIANTS:
+            continue
         main = backward._compile_main("sm_90a", "BFloat16", d, causal, False, **kw)
         det, pers = kw.get("deterministic", False), kw.get("persistent", False)
         try:

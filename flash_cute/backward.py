@@ -9,6 +9,8 @@ tests/test_gpu.py gradient tests); timings in docs/performance.md.
                  dQaccum = 0                                  kernels/sm90/bwd_pre.py
     2. bwd       one CTA per (key block, query head, batch): dK, dV in registers, one dQ
                  tile per query block bulk-reduced into dQaccum kernels/sm90/bwd.py
+                 (d 64/96/128, 128 keys per CTA); d 192/256: the wide layout, 64 keys
+                 per CTA, dK / dV split along d         kernels/sm90/bwd_wide.py
     3. bwd_post  dq = softmax_scale * dQaccum; GQA: dk, dv = sum over the query heads of a
                  KV head of the per-query-head fp32 dK, dV     kernels/sm90/bwd_post.py
 
@@ -27,9 +29,15 @@ min(tiles, SMs) CTAs that loop over the key-block tiles (kernels/common/schedule
 argument (cached per device), not part of the compile key; ``FLASH_CUTE_BWD_NUM_SMS=n``
 overrides it (checks: many tiles per CTA even at small shapes).
 
+The wide kernel (d 192/256) has no persistent variant: ``persistent=True`` raises
+NotImplementedError there, and FLASH_CUTE_BWD_PERSISTENT=1 applies to d 64/96/128 only.
+Status of the wide kernel: compiled and ptxas-checked on CPU, not yet run on a GPU
+(bench/check_bwd.py and bench/check_varlen_bwd.py hold its cases).
+
 ``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` when the tensors are on an sm_90 GPU
-and ``unsupported_bwd_option`` returns None (d 64/96/128 today); otherwise, or with
-``FLASH_CUTE_FUSED_BWD=0``, it runs the fp32 recompute (d 192/256 until their kernels exist).
+and ``unsupported_bwd_option`` returns None (d 64/96/128/192/256, batched and varlen, plain,
+causal, GQA, deterministic); otherwise, or with ``FLASH_CUTE_FUSED_BWD=0``, it runs the fp32
+recompute.
 
 Compilation follows ``flash_cute.dispatch``: fake tensors with symbolic sizes and strides, so the
 cache key holds only code-changing values (arch, dtype, head dim, causal, GQA) and never a
@@ -50,7 +58,8 @@ import threading
 
 import torch
 
-from .config import BWD_SUPPORTED_HEAD_DIMS, BwdSm90Config, heads_per_section
+from .config import (BWD_SUPPORTED_HEAD_DIMS, BWD_WIDE_HEAD_DIMS, BwdSm90Config,
+                     heads_per_section)
 from .dispatch import compile_kernel
 from .kernels.common.seqlen import pad_offset
 
@@ -74,6 +83,17 @@ def fused_bwd_enabled() -> bool:
 def persistent_bwd_enabled() -> bool:
     """True when FLASH_CUTE_BWD_PERSISTENT=1: the persistent main kernel (an experiment)."""
     return os.environ.get(PERSISTENT_ENV, "0") == "1"
+
+
+def _resolve_persistent(persistent, d: int) -> bool:
+    """``persistent`` (None: the environment flag) for head dim d. The wide kernel (d 192/256)
+    has no persistent variant: the flag does not reach it, an explicit request raises."""
+    if d in BWD_WIDE_HEAD_DIMS:
+        if persistent:
+            raise NotImplementedError(f"flash_cute fused backward: no persistent kernel for "
+                                      f"head_dim={d} (the wide layout, d in {BWD_WIDE_HEAD_DIMS})")
+        return False
+    return persistent_bwd_enabled() if persistent is None else bool(persistent)
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,10 +226,12 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
     import cutlass.cute as cute
 
     from .kernels.sm90.bwd import FlashBwdSm90
+    from .kernels.sm90.bwd_wide import FlashBwdWideSm90
 
     _check_arch(arch)
     dt = getattr(cutlass, dtype_name)
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
+    kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
     dkv_dt = cutlass.Float32 if gqa else dt
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
     dkv_heads = h if gqa else hk
@@ -234,7 +256,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args,
             # SM count (persistent only, else None) and heads per L2 section: runtime values.
             cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1))
-    return compile_kernel(FlashBwdSm90(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
+    return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 
 
@@ -289,11 +311,12 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     return pre, main, post_dq, post
 
 
-def bwd_variants(deterministic=(False, True), varlen: bool = False):
+def bwd_variants(deterministic=(False, True), varlen: bool = False, head_dims=None):
     """Every backward main-kernel variant: (dtype, head_dim, causal, gqa, deterministic[,
-    varlen])."""
+    varlen]); ``head_dims`` (default: all supported) narrows it, e.g. to BWD_WIDE_HEAD_DIMS."""
+    dims = BWD_SUPPORTED_HEAD_DIMS if head_dims is None else head_dims
     return [(dt, d, c, g, det, *((True,) if varlen else ())) for dt in ("BFloat16", "Float16")
-            for d in BWD_SUPPORTED_HEAD_DIMS for c in (False, True) for g in (False, True)
+            for d in dims for c in (False, True) for g in (False, True)
             for det in deterministic]
 
 
@@ -365,7 +388,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _require_runnable(d, q.device)
     cfg = BwdSm90Config.for_head_dim(d)
     gqa = h != hk
-    persistent = persistent_bwd_enabled() if persistent is None else bool(persistent)
+    persistent = _resolve_persistent(persistent, d)
     pre, main, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                                       gqa, bool(deterministic), persistent=persistent)
     q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
@@ -421,7 +444,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     _require_runnable(d, q.device)
     cfg = BwdSm90Config.for_head_dim(d)
     gqa = h != hk
-    persistent = persistent_bwd_enabled() if persistent is None else bool(persistent)
+    persistent = _resolve_persistent(persistent, d)
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
                                                bool(causal), gqa, bool(deterministic),
                                                varlen=True, persistent=persistent)

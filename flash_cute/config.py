@@ -89,7 +89,10 @@ def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int
     return min(1 << (n.bit_length() - 1), max(num_hb, 1))
 
 
-BWD_SUPPORTED_HEAD_DIMS = (64, 96, 128)
+BWD_SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+# Head dims served by the "wide" kernel (kernels/sm90/bwd_wide.py): both warpgroups on the same
+# 64 keys, dK / dV split along d; the rest by kernels/sm90/bwd.py.
+BWD_WIDE_HEAD_DIMS = (192, 256)
 # fp32 padding per dQaccum row (global and shared): rows 8 banks apart make the MMA threads'
 # 8-byte stores of a dQ tile conflict-free, and rows stay 16-byte aligned for the bulk reduce.
 DQ_ROW_PAD = 8
@@ -99,11 +102,12 @@ DQ_ROW_PAD = 8
 class BwdSm90Config:
     """Tile shape and pipeline depth of the SM90 backward kernel for one head dim.
 
-    Registers bound the head dim: each MMA warpgroup keeps dK and dV for its 64 keys
-    (2 * 64 * d / 128 fp32 per thread) plus S^T and dP^T (2 * 64 * tile_m / 128). At d = 128
-    that is 128 + 64 of the 240 available; d = 192 / 256 would need 192 / 256 for dK and dV
-    alone, so they stay on the interim backward until a split-d or 1-warpgroup-per-64-keys
-    design exists.
+    Registers bound the head dim: each MMA warpgroup of kernels/sm90/bwd.py keeps dK and dV for
+    its 64 keys (2 * 64 * d / 128 fp32 per thread) plus S^T and dP^T (2 * 64 * tile_m / 128).
+    At d = 128 that is 128 + 64 of the 240 available; d = 192 / 256 would need 192 / 256 for
+    dK and dV alone, so they use the wide layout (``wide``, kernels/sm90/bwd_wide.py): one
+    64-key block per CTA, both warpgroups on it, dK / dV split along d (2 * 64 * (d/2) / 128:
+    96 / 128 per thread).
     """
     head_dim: int
     tile_m: int = 64           # query rows per step (the N of S^T = K Q^T; D/LSE padding unit)
@@ -119,6 +123,10 @@ class BwdSm90Config:
     # kernels/common/scheduler.py order, so one tile's K/V load overlaps the previous tile's
     # epilogue and the grid has no partial last wave. Off: one CTA per tile.
     persistent: bool = False
+    # The wide layout (kernels/sm90/bwd_wide.py, tile_n = 64): S^T / dP^T split along the
+    # queries, dK / dV / dQ along d, P^T and dS^T through shared memory. dq_split is unused;
+    # dq_chunk is each warpgroup's dQ wgmma width (its share of d in d / (2 * dq_chunk) turns).
+    wide: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -131,6 +139,12 @@ class BwdSm90Config:
             raise NotImplementedError(
                 f"fused SM90 backward: head dim {d} is not supported (supported: "
                 f"{BWD_SUPPORTED_HEAD_DIMS}); use the interim backward")
+        if d in BWD_WIDE_HEAD_DIMS:
+            # Shared memory (kernels/sm90/bwd_wide.py): d=192 fits 2 Q/dO stages (212 KB),
+            # d=256 one (211 KB) next to the full fp32 dQ tile. dQ chunk: 64 columns (32
+            # registers) at d=256 where dK + dV take 128; d=192's half of d (96) in one wgmma.
+            return BwdSm90Config(head_dim=d, tile_n=64, stages=2 if d <= 192 else 1,
+                                 dq_chunk=d // 2 if d <= 192 else 64, dq_split="n", wide=True)
         # A chunk must be whole 128-byte swizzle atoms of K^T (64 elements); d = 96 uses a
         # 64-byte atom (32 elements) and runs in one piece (48 registers).
         # "alt" at d=64/96 measured +27-29% over per-warpgroup tiles; at d=128 "n" and "alt"
@@ -141,5 +155,5 @@ class BwdSm90Config:
     def __post_init__(self):
         if self.dq_split not in ("n", "alt"):
             raise ValueError(f"dq_split must be 'n' or 'alt', got {self.dq_split!r}")
-        if self.dq_split == "n" and self.head_dim % 128 != 0:
+        if self.dq_split == "n" and self.head_dim % 128 != 0 and not self.wide:
             raise ValueError(f"dq_split='n' needs head_dim % 128 == 0, got {self.head_dim}")

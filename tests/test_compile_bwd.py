@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flash_cute import backward
-from flash_cute.config import BwdSm90Config
+from flash_cute.config import BWD_SUPPORTED_HEAD_DIMS, BWD_WIDE_HEAD_DIMS, BwdSm90Config
 from flash_cute.kernels.common import block_info
 from flash_cute.kernels.common.seqlen import pad_offset
 from flash_cute.reference import attention_ref
@@ -31,8 +31,11 @@ def _arch():
 VARIANTS = [v for v in backward.bwd_variants() if not v[-1] or v[0] == "BFloat16"]
 
 
-# Persistent: every default-config variant, plus deterministic and varlen samples.
-PERSISTENT_VARIANTS = [(*v, False) for v in backward.bwd_variants(deterministic=(False,))] + [
+# Persistent (not in the wide kernel, d 192/256): every default-config variant, plus
+# deterministic and varlen samples.
+NARROW_HEAD_DIMS = tuple(d for d in BWD_SUPPORTED_HEAD_DIMS if d not in BWD_WIDE_HEAD_DIMS)
+PERSISTENT_VARIANTS = [(*v, False) for v in backward.bwd_variants(deterministic=(False,),
+                                                                  head_dims=NARROW_HEAD_DIMS)] + [
     ("BFloat16", 128, True, False, True, False), ("Float16", 64, True, True, True, False),
     ("BFloat16", 96, True, True, False, True), ("BFloat16", 128, True, False, True, True)]
 
@@ -86,7 +89,7 @@ def test_bwd_main_persistent_compiles(dtype, d, causal, gqa, deterministic, varl
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 @pytest.mark.parametrize("kernel", ["pre", "post"])
 @pytest.mark.parametrize("dtype", ["BFloat16", "Float16"])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", BWD_SUPPORTED_HEAD_DIMS)
 def test_bwd_pre_post_compile(kernel, dtype, d, varlen, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, kernel=kernel, varlen=varlen),
@@ -95,24 +98,66 @@ def test_bwd_pre_post_compile(kernel, dtype, d, varlen, tmp_path, monkeypatch):
     assert ops.get("LDG", 0) > 0 and ops.get("STG", 0) > 0
 
 
-@pytest.mark.parametrize("d,causal,gqa,varlen,persistent", [
-    (128, True, False, False, False), (64, False, False, False, False),
-    (128, True, True, True, False), (128, True, False, False, True),
-    (96, True, True, True, True)])
-def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, tmp_path, monkeypatch):
-    """ptxas itself: no spills and no C7512 (wgmma serialized for lack of registers)."""
+def check_ptxas(ptx_text, tmp_path):
+    """ptxas itself: no spills and no C7512 / C7514 (wgmma serialized)."""
     ptxas = "/usr/local/bin/ptxas"
     if not os.path.exists(ptxas):
         pytest.skip("ptxas not installed")
-    monkeypatch.chdir(tmp_path)
     ptx = tmp_path / "k.ptx"
-    ptx.write_text(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa, varlen=varlen,
-                                    persistent=persistent))
+    ptx.write_text(ptx_text)
     res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.o")],
                          capture_output=True, text=True, check=True)
     report = res.stdout + res.stderr
     assert "C7512" not in report and "C7514" not in report, report  # wgmma serialized
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+@pytest.mark.parametrize("d,causal,gqa,varlen,persistent", [
+    (128, True, False, False, False), (64, False, False, False, False),
+    (128, True, True, True, False), (128, True, False, False, True),
+    (96, True, True, True, True)])
+def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa, varlen=varlen,
+                                 persistent=persistent), tmp_path)
+
+
+# The wide kernel (d 192/256): every variant through ptxas, batched and varlen.
+WIDE_VARIANTS = [(*v, varlen) for v in backward.bwd_variants(head_dims=BWD_WIDE_HEAD_DIMS)
+                 for varlen in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,varlen", WIDE_VARIANTS,
+                         ids=lambda v: str(v))
+def test_bwd_wide_ptxas_report(dtype, d, causal, gqa, deterministic, varlen, tmp_path,
+                               monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check_ptxas(backward.bwd_ptx(ARCH, dtype, d, causal, gqa, deterministic, varlen=varlen),
+                tmp_path)
+
+
+@pytest.mark.parametrize("d", BWD_WIDE_HEAD_DIMS)
+def test_bwd_wide_hgmma_count(d, tmp_path, monkeypatch):
+    """The wide loop body, per query block and warpgroup: S^T and dP^T d/16 wgmma each (K = d),
+    dV and dK tile_m/16 each (K = queries), dQ tile_n/16 per chunk turn; twice over (the
+    masked and the unmasked loop), and the groups not serialized."""
+    monkeypatch.chdir(tmp_path)
+    cfg = BwdSm90Config.for_head_dim(d)
+    ops = sass_opcodes(main_cubin("BFloat16", d, False, False, False), tmp_path)
+    turns = d // (2 * cfg.dq_chunk)
+    per_body = 2 * d // 16 + 2 * cfg.tile_m // 16 + turns * cfg.tile_n // 16
+    assert ops["HGMMA"] == 2 * per_body, (ops["HGMMA"], per_body)
+    assert ops["WARPGROUP.ARRIVE"] == 2 * (4 + turns), ops["WARPGROUP.ARRIVE"]
+
+
+def test_bwd_wide_config_fits():
+    """Shared memory of the wide layout (bwd_wide.py's budget) within the 227 KB limit."""
+    for d in BWD_WIDE_HEAD_DIMS:
+        cfg = BwdSm90Config.for_head_dim(d)
+        assert cfg.wide and cfg.tile_n == 64 and cfg.head_dim % (2 * cfg.dq_chunk) == 0
+        elems = 2 * cfg.tile_n * d + 2 * cfg.stages * cfg.tile_m * d + 2 * cfg.tile_n * cfg.tile_m
+        total = 2 * elems + 4 * cfg.tile_m * cfg.dq_row + 2 * 4 * cfg.stages * cfg.tile_m
+        assert total <= 227 * 1024 - 2048, (d, total)
 
 
 def test_bwd_cache_key_ignores_lengths():
@@ -127,7 +172,7 @@ def test_bwd_cache_key_ignores_lengths():
 
 
 def test_bwd_host_rejects():
-    q = torch.zeros(1, 4, 2, 256)
+    q = torch.zeros(1, 4, 2, 80)
     with pytest.raises(NotImplementedError, match="head_dim"):
         backward.bwd(q, q, q, q, q, torch.zeros(1, 2, 4), softmax_scale=0.0625, causal=False)
     cu = torch.tensor([0, 4], dtype=torch.int32)
@@ -136,7 +181,15 @@ def test_bwd_host_rejects():
                             cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4,
                             softmax_scale=0.0625, causal=False)
     assert backward.unsupported_bwd_option(head_dim=128) is None
-    assert "head_dim" in backward.unsupported_bwd_option(head_dim=192)
+    assert backward.unsupported_bwd_option(head_dim=192) is None
+    assert backward.unsupported_bwd_option(head_dim=256) is None
+    assert "head_dim" in backward.unsupported_bwd_option(head_dim=80)
+    # The wide kernel has no persistent variant: the env flag skips it, a request raises.
+    assert backward._resolve_persistent(None, 256) is False
+    with pytest.raises(NotImplementedError, match="persistent"):
+        backward._resolve_persistent(True, 192)
+    with pytest.raises(NotImplementedError, match="persistent"):
+        backward.bwd_cubin(ARCH, "BFloat16", 256, persistent=True)
 
 
 def test_fused_bwd_env_flag(monkeypatch):
@@ -218,10 +271,11 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
     return dq, dk, dv
 
 
+@pytest.mark.parametrize("tile_n", [8, 4], ids=["tn=2tm", "tn=tm(wide)"])
 @pytest.mark.parametrize("sq,sk,h,hk,causal", [
     (1, 1, 1, 1, False), (3, 3, 2, 1, True), (13, 5, 2, 2, True), (5, 13, 2, 1, True),
     (17, 29, 3, 1, False), (29, 17, 2, 2, True), (16, 16, 1, 1, True), (7, 24, 4, 2, True)])
-def test_bwd_plan_matches_oracle(sq, sk, h, hk, causal):
+def test_bwd_plan_matches_oracle(sq, sk, h, hk, causal, tile_n):
     torch.manual_seed(0)
     b, d, scale = 2, 8, 0.35
     q = torch.randn(b, sq, h, d, dtype=torch.float64)
@@ -232,7 +286,7 @@ def test_bwd_plan_matches_oracle(sq, sk, h, hk, causal):
     out, lse = attention_ref(*leaves, softmax_scale=scale, causal=causal)
     ref = torch.autograd.grad(out, leaves, dout)
     got = _emulate_bwd(q, k, v, out.detach(), dout, lse.detach(), scale, causal,
-                       tile_m=4, tile_n=8)
+                       tile_m=4, tile_n=tile_n)
     for name, g_, r in zip("qkv", got, ref):
         # the oracle computes in fp32 (upcast=True), so fp32-level agreement is the target
         assert torch.allclose(g_, r, atol=1e-5, rtol=1e-4), f"d{name}: {(g_ - r).abs().max()}"

@@ -273,7 +273,7 @@ def test_forward_on_side_stream():
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_grads_all(d, causal):
     check_grads(*qkv_inputs(2, 255, 301, 4, 2, d, seed=d), (0, 1, 2), causal=causal)
 
@@ -284,19 +284,28 @@ def test_grads_subsets(wanted):
     check_grads(*qkv_inputs(1, 190, 190, 2, 1, 128, seed=21), wanted, causal=True)
 
 
-@pytest.mark.parametrize("sq,sk", [(1, 1), (239, 1), (1, 239), (300, 100)])
-def test_grads_awkward(sq, sk):
+@pytest.mark.parametrize("d", [64, 192, 256])  # 192/256: the wide kernel, 64-key blocks
+@pytest.mark.parametrize("sq,sk", [(1, 1), (239, 1), (1, 239), (300, 100), (3, 113)])
+def test_grads_awkward(sq, sk, d):
     """Includes fully masked rows (300 x 100 causal): their gradients must be 0, not NaN."""
-    check_grads(*qkv_inputs(2, sq, sk, 2, 2, 64, seed=sq), (0, 1, 2), causal=True)
+    check_grads(*qkv_inputs(2, sq, sk, 2, 2, d, seed=sq), (0, 1, 2), causal=True)
 
 
-def test_grads_scale_and_fp16():
-    check_grads(*qkv_inputs(2, 200, 330, 4, 4, 96, dtype=torch.float16, seed=23), (0, 1, 2),
+@pytest.mark.parametrize("d", [96, 192, 256])
+def test_grads_scale_and_fp16(d):
+    check_grads(*qkv_inputs(2, 200, 330, 4, 4, d, dtype=torch.float16, seed=23), (0, 1, 2),
                 softmax_scale=0.2)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [192, 256])
+def test_grads_wide_gqa_long(d, causal):
+    """The wide kernel (d 192/256) over many 64-key blocks, GQA, a ragged key tail."""
+    check_grads(*qkv_inputs(1, 1023, 1024, 4, 1, d, seed=d + 3), (0, 1, 2), causal=causal)
+
+
 @pytest.mark.parametrize("d,causal,hk", [(128, False, 4), (128, True, 2), (64, True, 4),
-                                          (96, False, 1)])
+                                          (96, False, 1), (192, False, 4), (256, True, 2)])
 def test_grads_deterministic(d, causal, hk):
     """deterministic=True: bit-identical gradients over 3 runs, and still right."""
     q, k, v = qkv_inputs(2, 1100, 1300, 4, hk, d, seed=d + hk)
@@ -619,7 +628,7 @@ def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, sequ
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_varlen_grads(d, causal):
     check_varlen_grads([0, 1, 200, 77, 129], [5, 1, 300, 0, 64], 4, 2, d, causal=causal)
 
@@ -633,7 +642,7 @@ def test_varlen_grads_seqused():
 
 @pytest.mark.skipif(_ON_CPU, reason="the stand-in oracle would read the NaN rows")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_varlen_grads_nan_past_seqused(d, causal):
     """NaN in every q/k/v/dout row past seqused (an uninitialised cache): the fused backward
     reads them in the boxes at a sequence's end and must zero them before any product (P = 0
@@ -653,7 +662,7 @@ def test_varlen_grads_random_lengths(data):
     lens_q, lens_k = draw_lengths(data, max_batch=5, max_len=300)
     assume(sum(lens_q) > 0 and sum(lens_k) > 0)  # else the oracle has no graph to differentiate
     h, hk = draw_heads(data)
-    d = data.draw(st.sampled_from([64, 96, 128]), label="head_dim")
+    d = data.draw(st.sampled_from([64, 96, 128, 192, 256]), label="head_dim")
     causal = data.draw(st.booleans(), label="causal")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     check_varlen_grads(lens_q, lens_k, h, hk, d, causal=causal, dtype=dtype,
@@ -662,7 +671,7 @@ def test_varlen_grads_random_lengths(data):
 
 @pytest.mark.skipif(_ON_CPU, reason="compares two kernels")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_varlen_grads_match_batched_per_sequence(d, causal):
     """Each sequence alone through flash_attn_func: same tiles, same query-block order, and
     with deterministic=True the same dQ addition order, so the same gradients (to one
@@ -689,7 +698,8 @@ def test_varlen_grads_match_batched_per_sequence(d, causal):
 
 
 @pytest.mark.skipif(_ON_CPU, reason="the stand-in is deterministic anyway")
-@pytest.mark.parametrize("d,causal,hk", [(128, False, 4), (128, True, 2), (64, True, 1)])
+@pytest.mark.parametrize("d,causal,hk", [(128, False, 4), (128, True, 2), (64, True, 1),
+                                          (256, True, 2)])
 def test_varlen_grads_deterministic(d, causal, hk):
     """deterministic=True: bit-identical varlen gradients over 3 runs (semaphores per padded
     query tile), and still right."""

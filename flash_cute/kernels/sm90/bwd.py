@@ -243,34 +243,8 @@ class FlashBwdSm90:
             num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
             num_batch = mQ.shape[3]
         dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.stages
-        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-
-        # S^T = K Q^T and dP^T = V dO^T: M = keys (a warpgroup per 64), N = queries, K = d.
-        mma_sdp = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, K_MAJOR, K_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
-            tiler_mn=(KEYS_PER_WG, tm))
-        # dV += P^T dO and dK += dS^T Q: A from registers, B = dO / Q with d contiguous.
-        mma_dkv = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
-            tiler_mn=(KEYS_PER_WG, d), a_source=warpgroup.OperandSource.RMEM)
-        # dQ = dS K over all tile_n keys, A = sdS^T (queries contiguous), B = K^T (d
-        # contiguous). "n": the warpgroups split d; "alt": one warpgroup, d in chunks.
-        if const_expr(self.cfg.dq_split == "n"):
-            mma_dq = sm90_utils.make_trivial_tiled_mma(
-                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, NUM_MMA_WG, 1),
-                tiler_mn=(tm, d // NUM_MMA_WG))
-        else:
-            mma_dq = sm90_utils.make_trivial_tiled_mma(
-                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
-                tiler_mn=(tm, self.cfg.dq_chunk))
-
-        sQ_layout = make_smem_layout(dt, (tm, d), stages)
-        sdO_layout = make_smem_layout(dt, (tm, d), stages)
-        sK_layout = make_smem_layout(dt, (tn, d))
-        sV_layout = make_smem_layout(dt, (tn, d))
-        # Two dS buffers, so a warpgroup can write block m+1's dS while the other still reads
-        # block m's in its dQ wgmma.
-        sdS_layout = make_smem_layout(dt, (tn, tm), 2)
+        mma_sdp, mma_dkv, mma_dq = self.make_mmas()
+        sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout = self.smem_layouts()
         sLSE_layout = cute.make_layout((tm, stages))
         # The fp32 dQ tile, rows padded like dQaccum's (the bulk reduce copies it 1-D).
         sdQ_layout = cute.make_layout((tm, d), stride=(self.cfg.dq_row, 1))
@@ -321,6 +295,42 @@ class FlashBwdSm90:
                     mSeqUsedK, *sched).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def make_mmas(self):
+        """(mma_sdp, mma_dkv, mma_dq): the tiled MMAs of S^T / dP^T, dV / dK and dQ."""
+        dt, tm, d = self.dtype, self.tile_m, self.d
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S^T = K Q^T and dP^T = V dO^T: M = keys (a warpgroup per 64), N = queries, K = d.
+        mma_sdp = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_MAJOR, K_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
+            tiler_mn=(KEYS_PER_WG, tm))
+        # dV += P^T dO and dK += dS^T Q: A from registers, B = dO / Q with d contiguous.
+        mma_dkv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
+            tiler_mn=(KEYS_PER_WG, d), a_source=warpgroup.OperandSource.RMEM)
+        # dQ = dS K over all tile_n keys, A = sdS^T (queries contiguous), B = K^T (d
+        # contiguous). "n": the warpgroups split d; "alt": one warpgroup, d in chunks.
+        if const_expr(self.cfg.dq_split == "n"):
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, NUM_MMA_WG, 1),
+                tiler_mn=(tm, d // NUM_MMA_WG))
+        else:
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
+                tiler_mn=(tm, self.cfg.dq_chunk))
+        return mma_sdp, mma_dkv, mma_dq
+
+    def smem_layouts(self):
+        """(sQ, sdO, sK, sV, sdS) shared-memory layouts; sdS has a mode of 2 buffers."""
+        dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.stages
+        sQ_layout = make_smem_layout(dt, (tm, d), stages)
+        sdO_layout = make_smem_layout(dt, (tm, d), stages)
+        sK_layout = make_smem_layout(dt, (tn, d))
+        sV_layout = make_smem_layout(dt, (tn, d))
+        # Two dS buffers, so a warpgroup can write block m+1's dS while the other still reads
+        # block m's in its dQ wgmma.
+        sdS_layout = make_smem_layout(dt, (tn, tm), 2)
+        return sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout
 
     # ---------------------------------------------------------------------------- device
     @cute.kernel

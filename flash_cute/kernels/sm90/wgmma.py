@@ -6,10 +6,15 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 
-def make_smem_layout(dtype, shape, stages=None):
-    """A 128B/64B/32B-swizzled row-major shared-memory tile, optionally with a stage mode."""
+def make_smem_layout(dtype, shape, stages=None, atom_cols=None):
+    """A 128B/64B/32B-swizzled row-major shared-memory tile, optionally with a stage mode.
+
+    The swizzle is the widest whose atom divides ``atom_cols`` (default: the row width); a
+    smaller value keeps column slices at its multiples whole atoms (an MN-major wgmma operand
+    must start on an atom)."""
     atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, shape[1]), dtype)
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype,
+                                        shape[1] if atom_cols is None else atom_cols), dtype)
     full = shape if stages is None else (*shape, stages)
     return cute.tile_to_shape(atom, full, order=(0, 1) if stages is None else (0, 1, 2))
 
