@@ -1,6 +1,6 @@
 """Experiment harness: time forward-kernel variants side by side (one process, one GPU).
 
-    python bench/exp_fwd.py [--variants base persistent] [--shapes long short]
+    python bench/exp_fwd.py [--variants base persistent persistent_dyn] [--shapes long short]
 A variant is a config override plus an optional scheduler section size ("section": 1 gives the
 m-block-fastest order, "all" one section of every head). Variants are timed interleaved over
 several rounds and the median per variant is printed, so clock and neighbour drift hit all alike.
