@@ -1,6 +1,6 @@
 """Experiment harness: time forward-kernel variants side by side (one process, one GPU).
 
-    python bench/exp_fwd.py [--variants base persistent] [--shapes long short]
+    python bench/exp_fwd.py [--variants base persistent persistent_dyn] [--shapes long short]
 A variant is a config override plus an optional scheduler section size ("section": 1 gives the
 m-block-fastest order, "all" one section of every head). Variants are timed interleaved over
 several rounds and the median per variant is printed, so clock and neighbour drift hit all alike.
@@ -25,6 +25,9 @@ VARIANTS = {
     # One CTA per SM walking the tiles; the shipped P conversion where that compiles clean, else
     # the packed one (compare with packed_p there; config.persistent_fwd_overrides).
     "persistent": persistent_fwd_overrides,
+    # The same with the dynamic tile order (an atomic tile counter; a zeroed counter per call
+    # is part of the timed work, as in dispatch.fwd).
+    "persistent_dyn": lambda d, causal: persistent_fwd_overrides(d, causal, dynamic=True),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True),
@@ -42,14 +45,15 @@ ap.add_argument("--shapes", nargs="+", default=["long"], choices=list(SHAPES))
 args = ap.parse_args()
 
 
-def run(compiled, q, k, v, section=None, ctas=None):
+def run(compiled, q, k, v, section=None, ctas=None, dynamic=False):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
     num_hb = q.shape[0] * q.shape[2]
     sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb), "all": num_hb}.get(
         section, section)
     compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), sec,
-             None, None, None, None, None, ctas)  # batched: no varlen arguments
+             None, None, None, None, None, ctas,  # batched: no varlen arguments
+             dispatch.new_tile_counter(q.device) if dynamic else None)
     return out
 
 
@@ -65,14 +69,15 @@ for d, s, causal in [shape for name in args.shapes for shape in SHAPES[name]]:
         kw = dict(kw)
         section = kw.pop("section", None)
         ctas = dispatch.num_sms(q.device) if kw.get("persistent") else None
+        dyn = bool(kw.get("dynamic"))
         comp = dispatch._compile_fwd(dispatch.DEFAULT_ARCH, "BFloat16", d, causal, **kw)
         qs, ks, vs = (t[:2, :777] for t in (q, k, v))
         ref, _ = attention_ref(qs, ks, vs, causal=causal)
         low, _ = attention_ref(qs, ks, vs, causal=causal, upcast=False)
         # Persistent: checked with a few CTAs (7: uneven rounds), so each walks many tiles.
-        check_close(run(comp, qs, ks, vs, section, ctas and CHECK_CTAS), ref, low)
-        fns[name] = (lambda comp=comp, section=section, ctas=ctas:
-                     run(comp, q, k, v, section, ctas))
+        check_close(run(comp, qs, ks, vs, section, ctas and CHECK_CTAS, dyn), ref, low)
+        fns[name] = (lambda comp=comp, section=section, ctas=ctas, dyn=dyn:
+                     run(comp, q, k, v, section, ctas, dyn))
     times = {n: [] for n in fns}
     for _ in range(ROUNDS):
         for n, fn in fns.items():

@@ -26,6 +26,11 @@ class FwdSm90Config:
     # the next tile's Q and K/V loads overlap this tile's epilogue. Batched only; chosen per
     # call by use_persistent_fwd (docs/performance.md, "Persistent forward").
     persistent: bool = False
+    # Persistent only: after its first tile a CTA claims the next one from a global atomic
+    # counter (kernels/common/scheduler.py, "dynamic"), so whichever SM frees first takes the
+    # next tile of the longest-first order, as the hardware does for the one-tile-per-CTA grid.
+    # Off: the static alternating walk. Experiment (not timed yet), aimed at causal.
+    dynamic: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg != 2:
@@ -34,6 +39,8 @@ class FwdSm90Config:
             # Each tile would restart the turn-taking on barriers still holding the last
             # tile's final turn.
             raise ValueError("pingpong and persistent cannot be combined")
+        if self.dynamic and not self.persistent:
+            raise ValueError("dynamic is a persistent tile order: set persistent=True too")
 
     @property
     def tile_m(self):
@@ -56,12 +63,18 @@ PACKED = {"packed_p_cvt": True}
 PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
                   (128, False): PACKED, (128, True): {}, (192, False): PACKED, (192, True): {},
                   (256, False): PACKED, (256, True): {}}
+# The dynamic order (an atomic tile counter) adds a few registers to the load warp only; the
+# consumers' code is the static walk's, so the same P conversion compiles clean.
+PERSISTENT_FWD_DYN = dict(PERSISTENT_FWD)
 
 
-def persistent_fwd_overrides(d: int, causal: bool):
-    """FwdSm90Config overrides of the persistent forward, or None where it has none."""
-    extra = PERSISTENT_FWD.get((d, bool(causal)))
-    return None if extra is None else {"persistent": True, **extra}
+def persistent_fwd_overrides(d: int, causal: bool, dynamic: bool = False):
+    """FwdSm90Config overrides of the persistent forward (``dynamic``: its atomic-counter
+    tile order), or None where it has none."""
+    extra = (PERSISTENT_FWD_DYN if dynamic else PERSISTENT_FWD).get((d, bool(causal)))
+    if extra is None:
+        return None
+    return {"persistent": True, **({"dynamic": True} if dynamic else {}), **extra}
 
 
 def use_persistent_fwd(num_tiles: int, num_sms: int, causal: bool) -> bool:

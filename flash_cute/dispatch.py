@@ -29,6 +29,8 @@ _cache_lock = threading.Lock()
 # Persistent forward. Unset or "auto": where config.use_persistent_fwd says (non-causal, more
 # tiles than SMs), one CTA per SM; "0": never; "1": past one wave, causal too (experiments);
 # "ctas=N": on every batched call, N CTAs (tests: long tile walks on small problems).
+# "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with the dynamic tile order (an atomic tile
+# counter, FwdSm90Config.dynamic) instead of the static walk.
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 
 
@@ -96,8 +98,16 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen)
     tensors, varlen_args = _fake_args(dtype_name, d, varlen)
     max_ctas = cutlass.Int32(1) if cfg.persistent else None  # a runtime value: any SM count
-    args = (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args, max_ctas)
+    counter = _fake_tile_counter() if cfg.dynamic else None
+    args = (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args, max_ctas, counter)
     return compile_kernel(kernel, args, keep_cubin)
+
+
+def _fake_tile_counter():
+    """The dynamic forward's tile counter: one int32 (dispatch.fwd passes a zeroed one)."""
+    import cutlass
+    import cutlass.cute as cute
+    return cute.runtime.make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
 
 
 def compile_kernel(fn, args, keep=False):
@@ -122,11 +132,13 @@ def compile_kernel(fn, args, keep=False):
 
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
-                   persistent: bool = False):
-    key = ("fwd", arch, dtype_name, d, causal, varlen) + (("persistent",) if persistent else ())
+                   persistent: bool = False, dynamic: bool = False):
+    """dynamic: the persistent kernel's atomic-counter tile order (needs persistent)."""
+    key = (("fwd", arch, dtype_name, d, causal, varlen) + (("persistent",) if persistent else ())
+           + (("dynamic",) if dynamic else ()))
     with _cache_lock:
         if key not in _cache:
-            overrides = persistent_fwd_overrides(d, causal) if persistent else {}
+            overrides = persistent_fwd_overrides(d, causal, dynamic) if persistent else {}
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, **overrides)
         return _cache[key]
 
@@ -155,20 +167,24 @@ def num_sms(device: torch.device) -> int:
 
 
 def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int):
-    """The persistent kernel's CTA budget (SMs x 1 CTA per SM: every forward tile fills an
-    SM's registers) when this call should run it, else None."""
+    """(CTA budget, dynamic) of the persistent kernel when this call should run it, else None.
+    The budget is SMs x 1 CTA per SM (every forward tile fills an SM's registers); dynamic:
+    the atomic-counter tile order instead of the static walk."""
     mode = os.environ.get(PERSISTENT_FWD_ENV, "auto")
-    overrides = persistent_fwd_overrides(d, causal)
-    if mode == "0" or overrides is None:
+    dynamic = mode == "dyn" or mode.startswith("dyn:")
+    walk = mode[len("dyn:"):] if mode.startswith("dyn:") else ("1" if dynamic else mode)
+    if walk != "0" and not walk.startswith("ctas=") and walk not in ("auto", "1"):
+        raise ValueError(f"{PERSISTENT_FWD_ENV}={mode!r}: expected auto, 0, 1, ctas=N, dyn "
+                         f"or dyn:ctas=N")
+    overrides = persistent_fwd_overrides(d, causal, dynamic)
+    if walk == "0" or overrides is None:
         return None
-    if mode.startswith("ctas="):
-        return int(mode[len("ctas="):])
-    if mode not in ("auto", "1"):
-        raise ValueError(f"{PERSISTENT_FWD_ENV}={mode!r}: expected auto, 0, 1 or ctas=N")
+    if walk.startswith("ctas="):
+        return int(walk[len("ctas="):]), dynamic
     tile_m = dataclasses.replace(FwdSm90Config.for_head_dim(d), **overrides).tile_m
     sms = num_sms(device)
     tiles = -(-seqlen_q // tile_m) * num_hb
-    return sms if use_persistent_fwd(tiles, sms, causal and mode == "auto") else None
+    return (sms, dynamic) if use_persistent_fwd(tiles, sms, causal and walk == "auto") else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,13 +224,22 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         lse.fill_(-math.inf)
         return out, lse
     arch = _device_arch(q.device)
-    ctas = _persistent_ctas(q.device, d, causal, sq, b * h)
+    ctas, dynamic = _persistent_ctas(q.device, d, causal, sq, b * h) or (None, False)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
-                            persistent=ctas is not None)
+                            persistent=ctas is not None, dynamic=dynamic)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            heads_per_section(sk, d, q.element_size(), b * h), None, None, None, None, None,
-           ctas)
+           ctas, new_tile_counter(q.device) if dynamic else None)
     return out, lse
+
+
+def new_tile_counter(device):
+    """A zeroed tile counter for one launch of the dynamic forward. A fresh one per call rather
+    than one buffer the kernel resets: no host sync, stream-ordered (the zero lands before the
+    kernel, the caching allocator reuses it only after), safe with concurrent streams and
+    CUDA graphs (captured as a memset node), and an aborted launch cannot leave it dirty. Its
+    cost, one small memset, is nothing next to the multi-wave launches that run this kernel."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
@@ -245,7 +270,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     grid_rows = min(max_seqlen_q, total_q)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            heads_per_section(max_seqlen_k, d, q.element_size(), batch * h), cu_seqlens_q,
-           cu_seqlens_k, used_q, used_k, grid_rows, None)
+           cu_seqlens_k, used_q, used_k, grid_rows, None, None)
     return out, lse
 
 

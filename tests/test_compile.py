@@ -4,12 +4,14 @@ With nvdisasm available (the test extra installs it), the SASS is checked too: t
 path (HGMMA) is there and nothing spills to local memory (STL/LDL).
 """
 import functools
+import os
+import subprocess
 
 import pytest
 from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_opcodes
 
 from flash_cute import dispatch
-from flash_cute.config import PERSISTENT_FWD, persistent_fwd_overrides
+from flash_cute.config import PERSISTENT_FWD, PERSISTENT_FWD_DYN, persistent_fwd_overrides
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -24,7 +26,10 @@ EXPERIMENTS = ([("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c 
                + [(dt, d, True, {"packed_p_cvt": True}) for dt in ("BFloat16", "Float16")
                   for d in (128, 256)]
                # Persistent forward (opt-in, not timed yet) in the configs it runs with.
-               + [("BFloat16", d, c, persistent_fwd_overrides(d, c)) for d, c in PERSISTENT_FWD])
+               + [("BFloat16", d, c, persistent_fwd_overrides(d, c)) for d, c in PERSISTENT_FWD]
+               # Its dynamic tile order (atomic tile counter), not timed yet either.
+               + [("BFloat16", d, c, persistent_fwd_overrides(d, c, dynamic=True))
+                  for d, c in PERSISTENT_FWD_DYN])
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,7 +48,33 @@ def test_fwd_variant_compiles(dtype, d, causal, cfg, tmp_path, monkeypatch):
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
     assert ops.get("UTMALDG", 0) > 0, "no TMA loads"
     assert ops.get("UTMASTG", 0) > 0, "O is not stored by TMA"
+    # The dynamic order's tile claims are the kernel's only global atomics.
+    assert (ops.get("ATOMG", 0) > 0) == bool(cfg.get("dynamic")), ops.get("ATOMG")
     assert_wgmma_not_serialized(ops)
+
+
+@pytest.mark.parametrize("d,causal", [(64, True), (128, True)])
+def test_fwd_dynamic_ptxas_report(d, causal, tmp_path, monkeypatch):
+    """ptxas itself on the dynamic persistent order (3 and 2 consumer warpgroups): no spills,
+    no C7512/C7514 (wgmma serialized for lack of registers)."""
+    ptxas = "/usr/local/bin/ptxas"
+    if not os.path.exists(ptxas):
+        pytest.skip("ptxas not installed")
+    monkeypatch.chdir(tmp_path)
+    ptx = tmp_path / "k.ptx"
+    ptx.write_text(dispatch._compile_fwd(ARCH, "BFloat16", d, causal, keep_cubin="ptx",
+                                         **persistent_fwd_overrides(d, causal, dynamic=True)
+                                         ).__ptx__)
+    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.o")],
+                         capture_output=True, text=True, check=True)
+    report = res.stdout + res.stderr
+    assert "C7512" not in report and "C7514" not in report, report
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_dynamic_needs_persistent():
+    with pytest.raises(ValueError, match="persistent"):
+        dispatch._compile_fwd(ARCH, "BFloat16", 128, True, dynamic=True)
 
 
 @pytest.mark.parametrize("dtype,d,causal,varlen", dispatch.fwd_variants(varlen=True),
@@ -78,3 +109,15 @@ def test_cache_key_ignores_lengths():
     dispatch.get_fwd_kernel(ARCH, "BFloat16", 64, False, varlen=True)
     dispatch.get_fwd_kernel(ARCH, "BFloat16", 64, False, varlen=True)
     assert dispatch.compile_cache_size() <= before + 2
+
+
+def test_cache_key_separates_tile_orders(monkeypatch):
+    """Static and dynamic persistent kernels are cached apart (keys only; nothing compiled)."""
+    compiled = []
+    monkeypatch.setattr(dispatch, "_compile_fwd", lambda *a, **kw: compiled.append(kw) or kw)
+    monkeypatch.setattr(dispatch, "_cache", {})
+    static = dispatch.get_fwd_kernel(ARCH, "BFloat16", 128, True, persistent=True)
+    dynamic = dispatch.get_fwd_kernel(ARCH, "BFloat16", 128, True, persistent=True, dynamic=True)
+    assert dispatch.get_fwd_kernel(ARCH, "BFloat16", 128, True, persistent=True,
+                                   dynamic=True) is dynamic
+    assert not static.get("dynamic") and dynamic["dynamic"] and len(compiled) == 2

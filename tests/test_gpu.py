@@ -268,6 +268,36 @@ def test_forward_on_side_stream():
     assert torch.equal(out, expected)
 
 
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in has no tile order")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_forward_dynamic_tile_order(d, causal, monkeypatch):
+    """The dynamic persistent order (atomic tile counter) runs every tile once, as the static
+    walk does (same config, so bitwise equal): with few CTAs, more CTAs than tiles, repeated
+    launches, and CUDA graph replays (the zeroed counter is captured with the launch)."""
+    q, k, v = qkv_inputs(3, 700, 700, 5, 5, d, seed=21)
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "ctas=7")
+    expected, _ = run_and_check(q, k, v, causal=causal)
+    for mode in ("dyn:ctas=7", "dyn:ctas=7", "dyn:ctas=2", "dyn:ctas=1000"):
+        monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
+        _poison_allocator(256 << 20)
+        assert torch.equal(flash_attn_func(q, k, v, causal=causal), expected), mode
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=7")
+    side = torch.cuda.Stream()  # capture needs a side stream; warm up there first
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v, causal=causal)
+    for _ in range(3):
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """The tile order of kernels/common/scheduler.py on Python ints: a bijection onto (block, head,
-batch), blocks ascending per (head, batch), and the persistent deterministic backward's
-dependencies (key block n after n-1 of its head) never deadlock."""
+batch), blocks ascending per (head, batch), the persistent deterministic backward's
+dependencies (key block n after n-1 of its head) never deadlock, and the forward's dynamic
+claims (an atomic counter) hand out every tile once."""
+import heapq
 import itertools
 
 import pytest
@@ -70,9 +72,74 @@ def test_persistent_forward_heuristic():
     assert not use_persistent_fwd(4096, 132, causal=True)   # static deal of unequal tiles
 
 
-def test_persistent_forward_env_is_checked(monkeypatch):
+@pytest.mark.parametrize("mode", ["yes", "dyn:1x", "dyn:", "dyn:dyn"])
+def test_persistent_forward_env_is_checked(monkeypatch, mode):
     import torch
     from flash_cute import dispatch
-    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "yes")
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
     with pytest.raises(ValueError, match="FLASH_CUTE_FWD_PERSISTENT"):
         dispatch._persistent_ctas(torch.device("cpu"), 128, False, 4096, 64)
+
+
+@pytest.mark.parametrize("mode,expected", [("ctas=7", (7, False)), ("dyn:ctas=7", (7, True)),
+                                           ("0", None), ("dyn:0", None)])
+def test_persistent_forward_env_modes(monkeypatch, mode, expected):
+    """Modes that need no GPU (no SM count): forced grids, static or dynamic, and off."""
+    import torch
+    from flash_cute import dispatch
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
+    for causal in (False, True):
+        assert dispatch._persistent_ctas(torch.device("cpu"), 128, causal, 4096, 64) == expected
+
+
+def dynamic_walk(durations, grid):
+    """The forward's dynamic order as an event simulation: CTA c starts on tile c, then each
+    time a CTA's load warp finishes a tile (ties: lower CTA first) it claims grid + counter and
+    increments the counter, until a claim lands past the end. Returns (tiles per CTA, final
+    counter, makespan)."""
+    n = len(durations)
+    runs = [[c] for c in range(grid)]
+    counter = 0
+    events = [(durations[c], c) for c in range(grid)]
+    heapq.heapify(events)
+    end = 0
+    while events:
+        t, c = heapq.heappop(events)
+        end = max(end, t)
+        tile = grid + counter  # claim_tile: gridDim.x + atomicAdd(counter, 1)
+        counter += 1
+        if tile < n:
+            runs[c].append(tile)
+            heapq.heappush(events, (t + durations[tile], c))
+    return runs, counter, end
+
+
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=300), st.integers(1, 40))
+def test_dynamic_claims_cover_every_tile_once(durations, grid):
+    """Every tile runs exactly once, each CTA claims once per tile it runs (so the launch adds
+    num_tiles to the counter), and greedy claiming keeps the tail within one tile of the mean
+    (list scheduling: makespan <= total / grid + longest tile)."""
+    grid = min(grid, len(durations))  # scheduler.persistent_grid
+    runs, counter, end = dynamic_walk(durations, grid)
+    assert sorted(t for r in runs for t in r) == list(range(len(durations)))
+    assert counter == len(durations)
+    assert end <= sum(durations) / grid + max(durations)
+
+
+def test_dynamic_beats_static_on_causal_longest_first():
+    """The case the dynamic order is for: causal tiles, longest first (a tile's work = its key
+    blocks), 132 CTAs, L2 sections of 8 heads (256 tiles: rounds straddle sections, so the
+    alternating rounds no longer pair long with short tiles). Model: static 272, dynamic 160
+    = the mean (one section would give the static walk 160 too)."""
+    num_blocks, num_hb, grid = 32, 40, 132
+    tiles = order(num_blocks, num_hb, 1, 8, reverse=True)
+    work = [n + 1 for n, _, _ in tiles]
+    _, _, dynamic_end = dynamic_walk(work, grid)
+    static_load = [0] * grid
+    for c in range(grid):
+        t = c
+        while t < len(work):
+            static_load[c] += work[t]
+            t += 2 * (grid - c) - 1 if (t // grid) % 2 == 0 else 2 * c + 1  # next_tile
+    assert dynamic_end < 0.7 * max(static_load)
+    assert dynamic_end <= sum(work) / grid + 1

@@ -23,6 +23,13 @@ Launch styles sharing the numbering:
                         so the tiles in flight are one L2 section's), rounds alternating
                         direction. With longest-first the tiles of a round shrink from first to
                         last; a fixed position would give CTA 0 the longest tile of every round.
+    persistent, fwd,    grid = persistent_grid(num_tiles, ctas); a CTA's first tile is blockIdx.x,
+    dynamic             then it claims the next unclaimed number from a global counter
+                        (``claim_tile``: gridDim.x + atomicAdd(counter, 1)), so tiles still
+                        start in numbering order (longest first, section by section) and each
+                        goes to whichever CTA frees first, as the hardware deals the one-tile
+                        grid. One warp claims; ``publish_tile`` / ``receive_tile`` hand the
+                        number to the CTA's other warps (``make_tile_pipeline``).
     persistent, bwd     grid = persistent_grid(...); ``for_each_tile``: blockIdx.x,
                         blockIdx.x + gridDim.x, ... in increasing order. A kernel whose tiles
                         wait on other tiles (the deterministic backward) is deadlock-free when
@@ -33,7 +40,7 @@ Launch styles sharing the numbering:
 """
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, pipeline
 
 
 def num_tiles(num_blocks, num_hb):
@@ -103,3 +110,60 @@ def for_each_tile(count: Int32, body, carry):
                               unroll=1):
         carry = body(tile, carry)
     return carry
+
+
+# Dynamic persistent walk. The claiming warp runs ahead of the warps that compute a tile, so the
+# claimed numbers travel through a small ring of shared-memory slots guarded by a pipeline.
+# Depth 2: the claimer publishes tile t+1 before the consumers have read tile t's number (one
+# slot would make it wait for that read); it cannot get further ahead (in the forward, tile
+# t+1's Q waits for tile t-1's epilogue, which comes after the read of tile t-1's slot).
+TILE_SLOTS = 2
+
+
+def make_tile_pipeline(barrier_storage: cute.Pointer, num_consumer_threads: int):
+    """The claimed-tile ring: full barrier = 1 arrive (the claiming warp's lane 0, after writing
+    its slot), empty barrier = one arrive per consumer thread (each after reading the slot, so
+    no per-warp ordering of reads before a lane-0 arrive is needed). Initialised without a CTA
+    barrier (defer_sync): the caller's pipeline set-up fences and syncs once for all."""
+    return pipeline.PipelineAsync.create(
+        barrier_storage=barrier_storage, num_stages=TILE_SLOTS,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads),
+        defer_sync=True)
+
+
+@cute.jit
+def claim_tile(counter: cute.Tensor):
+    """Warp-collective: the next tile of this CTA, claimed by lane 0 and returned to every lane.
+
+    ``counter`` (one int32, zero at launch) counts the claims; the grid's first tiles
+    (blockIdx.x) are never claimed. Relaxed: the counter hands out distinct numbers and
+    publishes no data. A CTA claims once per tile it runs, the last claim past the end: a
+    launch adds num_tiles to the counter in all."""
+    old = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        old = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+    return cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(old, 0)
+
+
+@cute.jit
+def publish_tile(pipe, state, slots: cute.Tensor, tile: Int32):
+    """Claiming warp: tile -> slot ``state.index``, then the full arrive (release semantics:
+    the slot write is visible to whoever completes the wait). Returns the next state."""
+    pipe.producer_acquire(state)
+    if cute.arch.lane_idx() == 0:
+        slots[state.index] = tile
+        pipe.producer_commit(state)
+    state.advance()
+    return state
+
+
+@cute.jit
+def receive_tile(pipe, state, slots: cute.Tensor):
+    """Consumer thread: the tile published in slot ``state.index``; frees the slot at once.
+    Returns (tile, next state)."""
+    pipe.consumer_wait(state)
+    tile = slots[state.index]
+    pipe.consumer_release(state)
+    state.advance()
+    return tile, state

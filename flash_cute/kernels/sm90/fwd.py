@@ -29,6 +29,22 @@ first_tile / next_tile, L2 sections, longest first), each carrying its pipeline 
 tile to tile. The next tile's first K block loads under this tile's epilogue; its Q waits until
 the O store has read sO, which aliases sQ.
 
+Dynamic (``cfg.dynamic``, on top of persistent): a CTA's first tile is blockIdx.x; then the
+load warp claims each next tile from a global counter (scheduler.claim_tile: lane 0 does
+gridDim.x + atomicAdd(counter, 1), a shuffle gives it to the warp) once it has issued the
+current tile's loads, and publishes it in a shared-memory slot; the consumer warps read it
+after their epilogue. The last claim of every CTA lands past the end and stops its consumers.
+The counter is zero at launch: the host passes a fresh zeroed int32 per call
+(dispatch.new_tile_counter says why not a kernel-side reset).
+
+    load warp                                consumer threads (128n)
+    tile = blockIdx.x                        tile = blockIdx.x
+    loop: load(tile)                         loop: consume(tile)
+          tile = claim_tile()                      wait   full[s]    (1 arrive)
+          wait   empty[s]  (128n arrives)          tile = slot[s]
+          lane 0: slot[s] = tile; arrive full[s]   arrive empty[s]
+          s = s + 1 mod 2; stop past the end       s = s + 1 mod 2; stop past the end
+
 Pipelines (cutlass.pipeline.PipelineTmaAsync: full barrier = 1 producer arrive + TMA bytes,
 empty barrier = one arrive per consumer warp):
 
@@ -36,6 +52,12 @@ empty barrier = one arrive per consumer warp):
                                                  TMA store of O has read sO)
     pipe_k  load -> 4n consumer warps, kv_stages
     pipe_v  load -> 4n consumer warps, kv_stages  (separate from K so QK^T starts before V lands)
+
+Dynamic only, cutlass.pipeline.PipelineAsync (scheduler.make_tile_pipeline), 2 stages: full
+barrier = 1 arrive (load warp lane 0, after writing the slot), empty barrier = 128n arrives
+(every consumer thread, after reading it):
+
+    pipe_tile  load -> consumers, the claimed tile numbers (2 int32 slots)
 
 Named barriers: EPILOGUE (128n + 32) makes sO visible before warp 4 issues the TMA store
 (varlen: 128n, before the consumers read sO back); V_TAIL (128n, varlen) orders the zeroing of
@@ -48,7 +70,9 @@ for S_next; mask and softmax it while P V runs; rescale O. Masks only on the fir
 (ragged key tail, causal) and on blocks crossing the causal diagonal.
 
 Shared memory (2-byte elements): sQ tile_m*d, sK and sV kv_stages*tile_n*d each; sO aliases
-sQ (each warpgroup overwrites only its own, already consumed, Q rows).
+sQ (each warpgroup overwrites only its own, already consumed, Q rows). The mbarriers (and, in
+the dynamic order, pipe_tile's 4 mbarriers and 2 slots: 40 bytes) sit below sQ's 1 KB
+alignment.
     d=64:  16K + 32K + 32K =  80 KB      d=128: 32K + 64K + 64K = 160 KB
     d=192 (tile_n 112): 48K + 84K + 84K = 216 KB      d=256 (tile_n 80): 64K + 80K + 80K = 224 KB
 """
@@ -111,11 +135,13 @@ class FlashFwdSm90:
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                  max_seqlen_q: Optional[Int32], max_ctas: Optional[Int32],
-                 stream: cuda.CUstream):
+                 mTileCounter: Optional[cute.Tensor], stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the five
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_q sizes the grid.
-        max_ctas: persistent only (else None), the most CTAs that run at once (SMs x 1)."""
+        max_ctas: persistent only (else None), the most CTAs that run at once (SMs x 1).
+        mTileCounter: dynamic only (else None), one int32, zero at launch (the host passes a
+        fresh zeroed one per call, see dispatch.fwd)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -154,24 +180,35 @@ class FlashFwdSm90:
         self.q_bytes = cute.size_in_bytes(dt, sQ_layout)
         self.kv_bytes = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1]))
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], SMEM_ALIGN]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], SMEM_ALIGN]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.make_shared_storage(sQ_layout, sK_layout, sV_layout)
         grid = scheduler.grid_shape(num_m_blocks, mQ.shape[2], num_batch)
         if const_expr(self.cfg.persistent):
             grid = scheduler.persistent_grid(grid[0], max_ctas)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, tma_q, tma_k, tma_v, tma_o,
                     scale_log2, heads_per_section, sQ_layout, sK_layout, sV_layout, mma_qk,
                     mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                    num_m_blocks if const_expr(self.varlen) else None).launch(
+                    num_m_blocks if const_expr(self.varlen) else None, mTileCounter).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def make_shared_storage(self, sQ_layout, sK_layout, sV_layout):
+        """The kernel's shared memory (module docstring). Plain Python at trace time, so the
+        dynamic order's fields are declared only where they exist; they sit in the barrier
+        area's padding below the 1 KB-aligned sQ and cost no shared memory."""
+        dt, stages, dynamic = self.dtype, self.cfg.kv_stages, self.cfg.dynamic
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            if dynamic:
+                mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * scheduler.TILE_SLOTS]
+                tile_slot: cute.struct.MemRange[Int32, scheduler.TILE_SLOTS]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], SMEM_ALIGN]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], SMEM_ALIGN]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN]
+
+        return SharedStorage
 
     # ---------------------------------------------------------------------------- device
     @cute.kernel
@@ -183,7 +220,7 @@ class FlashFwdSm90:
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-               num_m_blocks_varlen: Optional[Int32]):
+               num_m_blocks_varlen: Optional[Int32], mTileCounter: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -191,6 +228,10 @@ class FlashFwdSm90:
                     cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        if const_expr(self.cfg.dynamic):  # initialised here, fenced and synced with the rest
+            pipe_tile = scheduler.make_tile_pipeline(storage.mbar_tile.data_ptr(),
+                                                     self.num_consumer_threads)
+            sTile = storage.tile_slot.get_tensor(cute.make_layout(scheduler.TILE_SLOTS))
         # Persistent: Q is released by the one warp that stores O (sO aliases sQ).
         q_releasers = (1,) if const_expr(self.cfg.persistent) else ()
         pipe_q, pipe_k, pipe_v = make_tma_pipelines(
@@ -244,6 +285,9 @@ class FlashFwdSm90:
                 cute.arch.setmaxregister_decrease(REGISTER_SPLIT[self.num_wg][0])
                 if warp_idx == 0:
                     q, kv = self.pipeline_states(pipeline.PipelineUserType.Producer)
+                    if const_expr(self.cfg.dynamic):
+                        claimed = pipeline.make_pipeline_state(
+                            pipeline.PipelineUserType.Producer, scheduler.TILE_SLOTS)
                     tile = scheduler.first_tile()
                     while tile < num_tiles:
                         m_block, head, batch = scheduler.tile_coords(tile, *order)
@@ -252,10 +296,23 @@ class FlashFwdSm90:
                             mQ[None, None, head, batch], mK[None, None, head_kv, batch],
                             mV[None, None, head_kv, batch], sQ, sK, sV, tma_q, tma_k, tma_v,
                             pipe_q, pipe_k, pipe_v, m_block, blocks(m_block), q, kv)
-                        tile = scheduler.next_tile(tile)
+                        if const_expr(self.cfg.dynamic):
+                            # Claimed once this tile's loads are issued: the last V load
+                            # waited for a free stage, so the consumers are a block or two from
+                            # the end. Late enough that the tile goes to a CTA about to free,
+                            # early enough that the atomic's round trip and the next tile's
+                            # first K load hide under this tile's last blocks and epilogue.
+                            # A claim past the end is published too: it stops the consumers.
+                            tile = scheduler.claim_tile(mTileCounter)
+                            claimed = scheduler.publish_tile(pipe_tile, claimed, sTile, tile)
+                        else:
+                            tile = scheduler.next_tile(tile)
             else:
                 cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
                 q, kv = self.pipeline_states(pipeline.PipelineUserType.Consumer)
+                if const_expr(self.cfg.dynamic):
+                    claimed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                           scheduler.TILE_SLOTS)
                 tile = scheduler.first_tile()
                 while tile < num_tiles:
                     m_block, head, batch = scheduler.tile_coords(tile, *order)
@@ -263,7 +320,10 @@ class FlashFwdSm90:
                         mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k, pipe_v,
                         scale_log2, m_block, head, batch, blocks(m_block),
                         SeqlenInfo.create(batch, mQ, mK), q, kv)
-                    tile = scheduler.next_tile(tile)
+                    if const_expr(self.cfg.dynamic):
+                        tile, claimed = scheduler.receive_tile(pipe_tile, claimed, sTile)
+                    else:
+                        tile = scheduler.next_tile(tile)
 
     def pipeline_states(self, user_type):
         """(Q, K/V) pipeline states at their first stage. K and V advance together: block i
