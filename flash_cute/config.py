@@ -24,7 +24,7 @@ class FwdSm90Config:
     packed_p_cvt: bool = False
     # About one CTA per SM, each walking tiles (common/scheduler.py) instead of one tile per CTA:
     # the next tile's Q and K/V loads overlap this tile's epilogue. Batched only; chosen per
-    # call by use_persistent_fwd (docs/performance.md, "Persistent forward").
+    # call by persistent_fwd_walk (docs/performance.md, "Persistent forward").
     persistent: bool = False
     # Persistent only: after its first tile a CTA claims the next one from a global atomic
     # counter (kernels/common/scheduler.py, "dynamic"), so whichever SM frees first takes the
@@ -77,15 +77,20 @@ def persistent_fwd_overrides(d: int, causal: bool, dynamic: bool = False):
     return {"persistent": True, **({"dynamic": True} if dynamic else {}), **extra}
 
 
-def use_persistent_fwd(num_tiles: int, num_sms: int, causal: bool) -> bool:
-    """Per-call choice (the SM90 forward fills an SM with one CTA; docs/performance.md,
-    "Persistent forward"). Persistent only past one wave of tiles: with at most one tile per SM
-    both launches run the same tiles and the persistent one has nothing to overlap. Past one
-    wave each later tile skips the CTA start and loads its first K block under the previous
-    tile's epilogue: +2-11% non-causal on the H200. Not causal: its static deal of unequal
-    tiles lost 9-40% at 2k-16k to the one-tile-per-CTA grid, where the hardware hands the
-    longest-first tiles to whichever SM frees first."""
-    return num_tiles > num_sms and not causal
+def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):
+    """Per-call choice of the forward launch (docs/performance.md, "Persistent forward" and
+    "Dynamic persistent forward"): None (one tile per CTA), "static" or "dynamic".
+
+    One tile per CTA up to one wave: with at most one tile per SM the persistent launch has
+    nothing to overlap. Past one wave each later tile skips the CTA start and loads its first
+    K block under the previous tile's epilogue. Non-causal tiles are equal, so the static walk
+    deals them evenly (H200: +6-12% at d=64 and at s=512, +-2% at d=256 s=4k, +2% / -9% in two
+    runs at d=128 s=4k). Causal tiles are not: the static walk lost up to 40%
+    (bench/sched_model.py explains it), the dynamic one (atomic tile counter) gained 2-8% over
+    the one-tile grid in 6 of 7 cells (-2% at d=256 s=1k)."""
+    if num_tiles <= num_sms:
+        return None
+    return "dynamic" if causal else "static"
 
 
 L2_BYTES_FOR_KV = 50 * 1024 * 1024  # H200 L2 is 60 MB (H100 50 MB); leave room for Q and O

@@ -20,17 +20,17 @@ import time
 import torch
 
 from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, heads_per_section,
-                     persistent_fwd_overrides, use_persistent_fwd)
+                     persistent_fwd_overrides, persistent_fwd_walk)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
 _cache: dict = {}
 _cache_lock = threading.Lock()
-# Persistent forward. Unset or "auto": where config.use_persistent_fwd says (non-causal, more
-# tiles than SMs), one CTA per SM; "0": never; "1": past one wave, causal too (experiments);
-# "ctas=N": on every batched call, N CTAs (tests: long tile walks on small problems).
-# "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with the dynamic tile order (an atomic tile
-# counter, FwdSm90Config.dynamic) instead of the static walk.
+# Persistent forward. Unset or "auto": as config.persistent_fwd_walk says (past one wave:
+# static walk non-causal, dynamic causal), one CTA per SM; "0": never; "1": the static walk
+# past one wave, causal too; "ctas=N": the static walk on every batched call with N CTAs
+# (tests: long tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with
+# the dynamic tile order (an atomic tile counter, FwdSm90Config.dynamic).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 
 
@@ -176,15 +176,21 @@ def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int):
     if walk != "0" and not walk.startswith("ctas=") and walk not in ("auto", "1"):
         raise ValueError(f"{PERSISTENT_FWD_ENV}={mode!r}: expected auto, 0, 1, ctas=N, dyn "
                          f"or dyn:ctas=N")
-    overrides = persistent_fwd_overrides(d, causal, dynamic)
-    if walk == "0" or overrides is None:
+    if walk == "0":
         return None
     if walk.startswith("ctas="):
-        return int(walk[len("ctas="):]), dynamic
-    tile_m = dataclasses.replace(FwdSm90Config.for_head_dim(d), **overrides).tile_m
+        overrides = persistent_fwd_overrides(d, causal, dynamic)
+        return None if overrides is None else (int(walk[len("ctas="):]), dynamic)
     sms = num_sms(device)
-    tiles = -(-seqlen_q // tile_m) * num_hb
-    return (sms, dynamic) if use_persistent_fwd(tiles, sms, causal and walk == "auto") else None
+    tile_m = FwdSm90Config.for_head_dim(d).tile_m  # the persistent overrides keep tile_m
+    choice = persistent_fwd_walk(-(-seqlen_q // tile_m) * num_hb, sms, causal)
+    if choice is None:
+        return None
+    if walk == "auto":
+        dynamic = choice == "dynamic"
+    if persistent_fwd_overrides(d, causal, dynamic) is None:
+        return None
+    return sms, dynamic
 
 
 @functools.lru_cache(maxsize=None)

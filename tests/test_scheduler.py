@@ -66,10 +66,10 @@ def test_descending_blocks_would_deadlock():
 
 
 def test_persistent_forward_heuristic():
-    from flash_cute.config import use_persistent_fwd
-    assert use_persistent_fwd(133, 132, causal=False)
-    assert not use_persistent_fwd(132, 132, causal=False)   # one wave: nothing to overlap
-    assert not use_persistent_fwd(4096, 132, causal=True)   # static deal of unequal tiles
+    from flash_cute.config import persistent_fwd_walk
+    assert persistent_fwd_walk(133, 132, causal=False) == "static"
+    assert persistent_fwd_walk(132, 132, causal=False) is None   # one wave: nothing to overlap
+    assert persistent_fwd_walk(4096, 132, causal=True) == "dynamic"  # unequal tiles
 
 
 @pytest.mark.parametrize("mode", ["yes", "dyn:1x", "dyn:", "dyn:dyn"])
