@@ -322,8 +322,9 @@ def bwd_variants(deterministic=(False, True), varlen: bool = False, head_dims=No
 
 def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False,
               deterministic: bool = False, kernel: str = "main", varlen: bool = False,
-              persistent: bool = False) -> bytes:
-    """The cubin of one backward kernel ("pre", "main" or "post"), for SASS checks."""
+              persistent: bool = False, **cfg_overrides) -> bytes:
+    """The cubin of one backward kernel ("pre", "main" or "post"), for SASS checks;
+    ``cfg_overrides``: BwdSm90Config fields of the main kernel (experiments)."""
     if kernel == "pre":
         compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen)
     elif kernel == "post":
@@ -331,16 +332,18 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
     else:
         compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True,
                                  deterministic=deterministic, varlen=varlen,
-                                 persistent=persistent)
+                                 persistent=persistent, **cfg_overrides)
     return compiled.__cubin__
 
 
 def bwd_ptx(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: bool = False,
-            deterministic: bool = False, varlen: bool = False, persistent: bool = False) -> str:
-    """The PTX of one main-kernel variant, for ptxas checks (register use, C7512)."""
+            deterministic: bool = False, varlen: bool = False, persistent: bool = False,
+            **cfg_overrides) -> str:
+    """The PTX of one main-kernel variant, for ptxas checks (register use, C7512);
+    ``cfg_overrides``: BwdSm90Config fields (experiments)."""
     return _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin="ptx",
                          deterministic=deterministic, varlen=varlen,
-                         persistent=persistent).__ptx__
+                         persistent=persistent, **cfg_overrides).__ptx__
 
 
 # -------------------------------------------------------------------------------- launch

@@ -114,6 +114,9 @@ BWD_WIDE_HEAD_DIMS = (192, 256)
 # fp32 padding per dQaccum row (global and shared): rows 8 banks apart make the MMA threads'
 # 8-byte stores of a dQ tile conflict-free, and rows stay 16-byte aligned for the bulk reduce.
 DQ_ROW_PAD = 8
+# BwdSm90Config.dq_first: widest dQ tile (columns per warpgroup) it compiles cleanly for; at
+# d=96 "alt" (96) and d=128 "alt" ptxas serialized the wgmma for lack of registers (C7512).
+DQ_FIRST_MAX_COLS = 64
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,11 @@ class BwdSm90Config:
     # queries, dK / dV / dQ along d, P^T and dS^T through shared memory. dq_split is unused;
     # dq_chunk is each warpgroup's dQ wgmma width (its share of d in d / (2 * dq_chunk) turns).
     wide: bool = False
+    # Experiment (not timed yet): issue the dQ wgmma before dK's and write the dQ tile to sdQ
+    # while dK still runs, so the sdQ stores and the dQ hand-off leave the tensor-core critical
+    # path (off: dK, dQ, wait for both, then the stores). docs/bwd_vs_fa4.md, prediction P1.
+    # d=64 and d=128 default splits only (DQ_FIRST_MAX_COLS).
+    dq_first: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -175,3 +183,15 @@ class BwdSm90Config:
             raise ValueError(f"dq_split must be 'n' or 'alt', got {self.dq_split!r}")
         if self.dq_split == "n" and self.head_dim % 128 != 0 and not self.wide:
             raise ValueError(f"dq_split='n' needs head_dim % 128 == 0, got {self.head_dim}")
+        if self.dq_first and self.wide:
+            raise ValueError("dq_first is not implemented for the wide layout (d 192/256)")
+        if self.dq_first and self.dq_cols_per_wg > DQ_FIRST_MAX_COLS:
+            raise ValueError(f"dq_first needs one dQ chunk of <= {DQ_FIRST_MAX_COLS} columns per "
+                             f"warpgroup, got {self.dq_cols_per_wg} (head_dim {self.head_dim}, "
+                             f"dq_split {self.dq_split!r})")
+
+    @property
+    def dq_cols_per_wg(self) -> int:
+        """Columns of dQ one warpgroup accumulates in registers at once ("alt": a warpgroup
+        does all of d; counted whole, since dq_first has no chunk loop)."""
+        return self.head_dim // 2 if self.dq_split == "n" else self.head_dim

@@ -4,6 +4,7 @@ empty rows, D = rowsum(dO o O)) reproduces the oracle's gradients in a float64 e
 
 The kernels themselves need an H200: bench/check_bwd.py runs them against the oracle.
 """
+import dataclasses
 import functools
 import math
 import os
@@ -40,11 +41,22 @@ PERSISTENT_VARIANTS = [(*v, False) for v in backward.bwd_variants(deterministic=
     ("BFloat16", 96, True, True, False, True), ("BFloat16", 128, True, False, True, True)]
 
 
+# cfg.dq_first (experiment: dQ before dK, the dQ tile stored under dK's wgmma; d=64 "alt" and
+# d=128 "n" only): bf16 per head dim and causality, plus GQA + deterministic, varlen and
+# persistent samples. Columns: d, causal, gqa, deterministic, varlen, persistent.
+DQ_FIRST_VARIANTS = [(d, c, False, False, False, False) for d in (64, 128)
+                     for c in (False, True)] + [
+    (64, True, True, True, False, False), (128, False, True, True, False, False),
+    (64, True, False, False, True, False), (128, True, True, False, True, True)]
+
+
 @functools.lru_cache(maxsize=None)
-def main_cubin(dtype, d, causal, gqa, deterministic, varlen=False, persistent=False):
+def main_cubin(dtype, d, causal, gqa, deterministic, varlen=False, persistent=False,
+               dq_first=False):
     """Each variant compiled once per session (the varlen tests compare with the batched)."""
+    extra = {"dq_first": True} if dq_first else {}
     return backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, varlen=varlen,
-                              persistent=persistent)
+                              persistent=persistent, **extra)
 
 
 def check_main_sass(ops):
@@ -86,6 +98,20 @@ def test_bwd_main_persistent_compiles(dtype, d, causal, gqa, deterministic, varl
     assert ops["HGMMA"] == default["HGMMA"], (ops["HGMMA"], default["HGMMA"])
 
 
+@pytest.mark.parametrize("d,causal,gqa,deterministic,varlen,persistent", DQ_FIRST_VARIANTS,
+                         ids=lambda v: str(v))
+def test_bwd_main_dq_first_compiles(d, causal, gqa, deterministic, varlen, persistent,
+                                    tmp_path, monkeypatch):
+    """cfg.dq_first: wgmma not serialized, no spills, and at least the default's HGMMA (the
+    same GEMMs; "alt" issues dK on both sides of the dQ-turn branch)."""
+    monkeypatch.chdir(tmp_path)
+    args = ("BFloat16", d, causal, gqa, deterministic, varlen, persistent)
+    ops = sass_opcodes(main_cubin(*args, dq_first=True), tmp_path)
+    check_main_sass(ops)
+    default = sass_opcodes(main_cubin(*args), tmp_path)
+    assert ops["HGMMA"] >= default["HGMMA"], (ops["HGMMA"], default["HGMMA"])
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "varlen"])
 @pytest.mark.parametrize("kernel", ["pre", "post"])
 @pytest.mark.parametrize("dtype", ["BFloat16", "Float16"])
@@ -112,14 +138,19 @@ def check_ptxas(ptx_text, tmp_path):
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
-@pytest.mark.parametrize("d,causal,gqa,varlen,persistent", [
-    (128, True, False, False, False), (64, False, False, False, False),
-    (128, True, True, True, False), (128, True, False, False, True),
-    (96, True, True, True, True)])
-def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, tmp_path, monkeypatch):
+@pytest.mark.parametrize("d,causal,gqa,varlen,persistent,dq_first", [
+    (128, True, False, False, False, False), (64, False, False, False, False, False),
+    (128, True, True, True, False, False), (128, True, False, False, True, False),
+    (96, True, True, True, True, False),
+    (128, False, False, False, False, True), (64, True, False, False, False, True),
+    (64, False, True, True, True, True)])
+def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, dq_first, tmp_path,
+                          monkeypatch):
+    """C7514 (accumulators read while their wgmma may run) is the dq_first ordering's risk."""
     monkeypatch.chdir(tmp_path)
+    extra = {"dq_first": True} if dq_first else {}
     check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa, varlen=varlen,
-                                 persistent=persistent), tmp_path)
+                                 persistent=persistent, **extra), tmp_path)
 
 
 # The wide kernel (d 192/256): every variant through ptxas, batched and varlen.
@@ -169,6 +200,15 @@ def test_bwd_cache_key_ignores_lengths():
     backward.get_bwd_kernels(ARCH, "BFloat16", 64, False, False, varlen=True)
     backward.get_bwd_kernels(ARCH, "BFloat16", 64, False, False, varlen=True)
     assert backward.compile_cache_size() <= before + 6  # + varlen pre, main, post (dq)
+
+
+def test_dq_first_config_rejects_wide_dq_tiles():
+    """dq_first compiles cleanly only for a dQ tile of <= 64 columns per warpgroup."""
+    for d in (64, 128):
+        dataclasses.replace(BwdSm90Config.for_head_dim(d), dq_first=True)
+    for d, split in ((96, "alt"), (128, "alt")):
+        with pytest.raises(ValueError, match="dq_first"):
+            dataclasses.replace(BwdSm90Config.for_head_dim(d), dq_split=split, dq_first=True)
 
 
 def test_bwd_host_rejects():

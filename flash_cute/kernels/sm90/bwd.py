@@ -57,8 +57,9 @@ empty barrier: one arrive per consumer warp, 8):
     pipe_q   load -> 8 mma warps, `stages` stages: Q tile + LSE_log2 tile on one barrier.
     pipe_do  load -> 8 mma warps, `stages` stages: dO tile + D tile on one barrier.
     pipe_q and pipe_do advance in lockstep, so one PipelineState (index, phase) per side serves
-    both. A stage is released only after the dQ wgmma of that query block finished, which
-    also covers dV (reads sdO) and dK (reads sQ), issued earlier in the same block.
+    both. A stage is released only after the block's last wgmma finished (dQ, whose wait
+    also covers dV (reads sdO) and dK (reads sQ), issued earlier; with ``cfg.dq_first`` it is
+    dK, issued after dQ).
     Persistent: every PipelineState runs on across tiles (producer and consumers visit the
     same tiles and blocks in the same order), so the stages and phases just keep cycling.
 
@@ -79,6 +80,17 @@ Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 dP^T runs under the exp2 of P^T and dV under dS; masked blocks (causal diagonal, ragged key
 tail) wait for dP^T before masking so the mask's registers do not collide with in-flight
 accumulators (the forward's lesson, docs/performance.md v3).
+
+``cfg.dq_first`` (opt-in experiment, docs/bwd_vs_fa4.md P1) reorders the tail after the sdS
+barrier, as FA3/FA4 do, so the sdQ stores, their fence and the hand-off run under dK's wgmma
+instead of after it, with the tensor cores idle:
+
+    ... sdS, bar | dQ | dK | [DQ_EMPTY] [wait 1: dQ] -> sdQ | [DQ_FULL arrive] |
+    [wait 0: dK] release stage
+
+("alt": the warpgroup without the dQ turn issues dK alone.) The same accumulators are live
+as in the default order. Only for a dQ tile of one chunk of <= 64 columns per warpgroup
+(d=64 "alt", d=128 "n"): at d=96 ptxas serializes the wgmma (C7512).
 
 Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     sK, sV   tile_n*d each          sQ, sdO   stages*tile_m*d each
@@ -144,6 +156,7 @@ MMA_REGS = 240       # 24*128 + 240*256 <= 64K registers per SM
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 DQ_WARP = 1          # warp of WG0 that issues the dQ bulk reductions
 DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
+DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
 
 
 class Barrier(enum.IntEnum):
@@ -678,24 +691,57 @@ class FlashBwdSm90:
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
         cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
                           number_of_threads=NUM_MMA_WG * WG_THREADS)
-        gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
-             wait_group=-1)
-
-        # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
-        if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
-            for c in cutlass.range_constexpr(len(tdQrK)):
-                gemm(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK[c], zero_init=True,
-                     wait_group=0)
-                cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+        if const_expr(self.cfg.dq_first):
+            self.dq_then_dk(tdKrdK, tdKrdS, tdKrQ[None, None, None, s], mma_dkv, mma_dq,
+                            tdQrdQ, tdQrdS[None, None, None, buf], tdQrK, tdQsdQ, wg, step)
         else:
-            warpgroup.wait_group(0)  # dK done on both paths (else ptxas serializes, C7514)
-        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
-        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
+            gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
+                 wait_group=-1)
+
+            # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+            if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
+                for c in cutlass.range_constexpr(len(tdQrK)):
+                    gemm(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK[c],
+                         zero_init=True, wait_group=0)
+                    cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+            else:
+                warpgroup.wait_group(0)  # dK done on both paths (else ptxas serializes, C7514)
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL),
+                                     number_of_threads=DQ_THREADS)
         pipe_q.consumer_release(st)
         pipe_do.consumer_release(st)
         st.advance()
         return st
+
+    @cute.jit
+    def dq_then_dk(self, tdKrdK: cute.Tensor, tdKrdS: cute.Tensor, tdKrQ: cute.Tensor,
+                   mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma, tdQrdQ: cute.Tensor,
+                   tdQrdS: cute.Tensor, tdQrK, tdQsdQ, wg: Int32, step: Int32):
+        """``cfg.dq_first``: the block's last two GEMMs, dQ before dK, so the dQ tile's stores
+        to sdQ, its fence and the DQ_FULL arrive run while dK's wgmma still does; by default
+        they wait behind dK. The dQ tile is one chunk of <= 64 columns per warpgroup (config
+        check: wider ones, d=96 "alt" and d=128 "alt", made ptxas serialize the wgmma,
+        C7512). ``tdKrQ`` / ``tdQrdS`` are this block's stage and sdS buffer. Returns with no
+        wgmma in flight (dK read sQ: the caller releases the stage next)."""
+        # One branch holding both GEMMs of the dQ warpgroup: with the dQ issue and the dQ
+        # reads in two branches ("alt"), ptxas sees accumulators read while their wgmma may
+        # still run and serializes (C7514).
+        if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
+            gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[0], zero_init=True, wait_group=-1)
+            gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ, zero_init=False, wait_group=-1)
+            # sdQ is free once the dQ warp's bulk reduce of the previous block has read it;
+            # the wait now overlaps both GEMMs.
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+            warpgroup.wait_group(DK_IN_FLIGHT)  # groups retire in order: dQ is done
+            cute.autovec_copy(tdQrdQ, tdQsdQ[0])
+        else:
+            gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ, zero_init=False, wait_group=-1)
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
+        warpgroup.wait_group(0)  # dK (reads sQ) done before the stage goes back
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
