@@ -7,7 +7,8 @@ A variant is a BwdSm90Config override of the main kernel (or deterministic=True)
 postprocess are the shipped ones. "persistent" (BwdSm90Config.persistent) launches min(tiles,
 SMs) CTAs looping over key-block tiles (its expected gains: causal, short sequences).
 "dq_first" (BwdSm90Config.dq_first) issues dQ before dK and stores the dQ tile under dK
-(docs/bwd_vs_fa4.md, P1: +5-9% expected at d=128, +2-4% at d=64; d=96 is skipped).
+(docs/bwd_vs_fa4.md, P1; measured +2-4% at d=128, where it ships, -2..-10% at d=64; d=96 is
+skipped); "dq_last" is the other order.
 
 Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA-free), then all
 variants are timed interleaved over several rounds (median per variant), the whole backward
@@ -25,7 +26,8 @@ from flash_cute.reference import attention_ref, check_grads_close
 
 VARIANTS = {
     "default": {},
-    "alt": {"dq_split": "alt"},
+    "alt": {"dq_split": "alt", "dq_first": False},
+    "dq_last": {"dq_first": False},  # the order before bwd v6 (shipped at d=64)
     "deterministic": {"deterministic": True},
     "persistent": {"persistent": True},
     "dq_first": {"dq_first": True},

@@ -175,8 +175,10 @@ class BwdSm90Config:
         # 64-byte atom (32 elements) and runs in one piece (48 registers).
         # "alt" at d=64/96 measured +27-29% over per-warpgroup tiles; at d=128 "n" and "alt"
         # are within noise, "n" keeps the warpgroups balanced.
+        # dq_first (dQ issued before dK, its sdQ stores under dK): +2-4% at d=128, -2..-10% at
+        # d=64 (H200, bench/exp_bwd.py, docs/performance.md bwd v6); on at d=128 only.
         return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d,
-                             dq_split="n" if d % 128 == 0 else "alt")
+                             dq_split="n" if d % 128 == 0 else "alt", dq_first=d == 128)
 
     def __post_init__(self):
         if self.dq_split not in ("n", "alt"):
