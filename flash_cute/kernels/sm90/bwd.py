@@ -322,11 +322,16 @@ class FlashBwdSm90:
             dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
             tiler_mn=(KEYS_PER_WG, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ = dS K over all tile_n keys, A = sdS^T (queries contiguous), B = K^T (d
-        # contiguous). "n": the warpgroups split d; "alt": one warpgroup, d in chunks.
+        # contiguous). "n": the warpgroups split d; "m" (tile_m = 128): they split the
+        # queries, 64 rows (one wgmma M) each; "alt": one warpgroup, d in chunks.
         if const_expr(self.cfg.dq_split == "n"):
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, NUM_MMA_WG, 1),
                 tiler_mn=(tm, d // NUM_MMA_WG))
+        elif const_expr(self.cfg.dq_split == "m"):
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
+                tiler_mn=(tm // NUM_MMA_WG, d))
         else:
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
@@ -536,8 +541,9 @@ class FlashBwdSm90:
             tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ, (tm, chunk), (0, c)))
                       for c in range(d // chunk)]
         else:
-            # This warpgroup's half of d of the dQ tile = dS K over all tile_n keys, one wgmma
-            # group; tdQrdS keeps sdS's buffer mode.
+            # This warpgroup's half of the dQ tile ("n": of d, "m": of the query rows) = dS K
+            # over all tile_n keys, one wgmma group; the tiled MMA's thread layout picks the
+            # half from tidx. tdQrdS keeps sdS's buffer mode.
             thr_dq = mma_dq.get_slice(tidx)
             tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
             tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sK)))]
