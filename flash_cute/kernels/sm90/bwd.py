@@ -220,6 +220,11 @@ class FlashBwdSm90:
         if self.d % cfg.dq_chunk != 0:
             raise ValueError(f"dq_chunk {cfg.dq_chunk} must divide head_dim {self.d}")
         self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
+        # tile_m 128: S^T and dP^T take 64 fp32 registers each per thread; with dK + dV (64),
+        # fp32 S^T kept for dS^T and its 16-bit copy for dV (32) ptxas serialized the wgmma
+        # (C7512; computing dS^T before issuing dV spilled). So dS^T = P^T o (dP^T - D) reads
+        # the 16-bit P^T that dV uses (dS^T is rounded to 16 bits next anyway).
+        self.ds_from_p16 = self.tile_m > KEYS_PER_WG
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
@@ -678,7 +683,14 @@ class FlashBwdSm90:
             lse = sLSE[col0 + c0_mn[0, c][1], s]
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
-        tdVrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+        if const_expr(not self.ds_from_p16):
+            tdVrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+        else:
+            # P^T to 16 bits in the accumulator layout: fp32 S^T dies here, dS^T reads this.
+            rP = cute.make_rmem_tensor_like(tSrS, self.dtype)
+            rP.store(tSrS.load().to(self.dtype))
+            tdVrP.store(acc_as_operand_a(rP).load())
+            s_mn = acc_as_mn(rP)
         gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
 
@@ -686,7 +698,7 @@ class FlashBwdSm90:
         for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
             dsum = sD[col0 + c0_mn[0, c][1], s]
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dsum)
+                dp_mn[r, c] = s_mn[r, c].to(Float32) * (dp_mn[r, c] - dsum)
         rdS.store(tdPrdP.load().to(self.dtype))
         tdKrdS.store(acc_as_operand_a(rdS).load())
 
