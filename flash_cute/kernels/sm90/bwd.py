@@ -101,6 +101,11 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     plus a second sdS buffer (16 KB) and sdQ fp32 tile_m * (d + DQ_ROW_PAD): d=64 18 KB,
     d=96 26 KB, d=128 34 KB. Totals: d=64 115 KB, d=96 155 KB, d=128 195 KB.
 
+tile_m = 128 (opt-in, d=64, ``dq_split="m"``: each mma warpgroup owns 64 query rows of the
+128 x d dQ tile): sQ, sdO 32 KB each, sK, sV 16 KB each, sdS 2 x 32 KB, sdQ 36 KB, LSE/D 2 KB:
+~198 KB. dS^T is then computed from the 16-bit P^T (``ds_from_p16``). STATUS: compiled only;
+ptxas reports ~32 bytes of spill (no C7512), not yet run on a GPU.
+
 Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
 (total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (sequence b
 from ``pad_offset``, whole tiles that never overlap the next sequence's). The grid covers
