@@ -3,8 +3,9 @@
     python bench/exp_bwd.py                         # every variant
     python bench/exp_bwd.py default persistent      # only these, still interleaved
     python bench/exp_bwd.py --d 256 default         # only the shapes of these head dims
-A variant is a BwdSm90Config override of the main kernel (or deterministic=True); preprocess and
-postprocess are the shipped ones. "persistent" (BwdSm90Config.persistent) launches min(tiles,
+A variant is a BwdSm90Config override of the main kernel (or deterministic=True), passed to
+backward.bwd as cfg_overrides: preprocess, postprocess and the host allocations follow its
+tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m"). "persistent" (BwdSm90Config.persistent) launches min(tiles,
 SMs) CTAs looping over key-block tiles (its expected gains: causal, short sequences).
 "dq_first" (BwdSm90Config.dq_first) issues dQ before dK and stores the dQ tile under dK
 (docs/bwd_vs_fa4.md, P1; measured +2-4% at d=128, where it ships, -2..-10% at d=64; d=96 is
@@ -32,6 +33,7 @@ VARIANTS = {
     "persistent": {"persistent": True},
     "dq_first": {"dq_first": True},
     "dq_first_persistent": {"dq_first": True, "persistent": True},
+    "tm128": {"tile_m": 128, "dq_split": "m"},
 }
 ARGS = sys.argv[1:]
 ONLY_D = None
@@ -47,20 +49,6 @@ SHAPES = [(128, 16384, False), (128, 16384, True), (64, 4096, False), (64, 16384
           (256, 4096, False), (256, 16384, True), (192, 4096, False), (192, 16384, True)]
 WIDE_VARIANTS = ("default", "deterministic")
 ROUNDS = 5
-
-
-def with_main(main_fn, fn):
-    """Run ``fn`` with backward.get_bwd_kernels returning ``main_fn`` as the main kernel."""
-    orig = backward.get_bwd_kernels
-
-    def patched(*a, **kw):
-        pre, _, post = orig(*a, **kw)
-        return pre, main_fn, post
-    backward.get_bwd_kernels = patched
-    try:
-        return fn()
-    finally:
-        backward.get_bwd_kernels = orig
 
 
 def grads(q, k, v, dout, causal, upcast):
@@ -87,23 +75,23 @@ for d, s, causal in SHAPES:
     for name, kw in VARIANTS.items():
         if d in backward.BWD_WIDE_HEAD_DIMS and name not in WIDE_VARIANTS:
             continue
+        det, pers = kw.get("deterministic", False), kw.get("persistent", False)
+        ov = {f: x for f, x in kw.items() if f not in ("deterministic", "persistent")}
         try:
-            main = backward._compile_main("sm_90a", "BFloat16", d, causal, False, **kw)
+            backward.bwd_config(d, ov)
         except ValueError as e:  # a config field this head dim does not support (dq_first)
             print(f"d={d} causal={int(causal)} {name}: skipped ({e})", flush=True)
             continue
-        det, pers = kw.get("deterministic", False), kw.get("persistent", False)
         try:
-            got = with_main(main, lambda: backward.bwd(dos, qs, ks, vs, outs, lses,
-                                                       softmax_scale=scale, causal=causal,
-                                                       deterministic=det, persistent=pers))
+            got = backward.bwd(dos, qs, ks, vs, outs, lses, softmax_scale=scale, causal=causal,
+                               deterministic=det, persistent=pers, cfg_overrides=ov)
             check_grads_close(got, ref, low)
         except AssertionError as e:
             print(f"d={d} causal={int(causal)} {name}: FAIL {str(e)[:300]}", flush=True)
             continue
-        fns[name] = (lambda main=main, det=det, pers=pers: with_main(main, lambda: backward.bwd(
+        fns[name] = (lambda det=det, pers=pers, ov=ov: backward.bwd(
             dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, deterministic=det,
-            persistent=pers)))
+            persistent=pers, cfg_overrides=ov))
     times = {n: [] for n in fns}
     for _ in range(ROUNDS):
         for n, fn in fns.items():

@@ -45,7 +45,8 @@ length, batch or head count; TVM-FFI entry points take torch tensors and launch 
 current stream.
 
 Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with
-sq_pad = sq rounded up to 64 (varlen: (h, rows, ...) with rows = (total_q // 64 + b) * 64);
+sq_pad = sq rounded up to tile_m (64; 128 with the opt-in {"tile_m": 128, "dq_split": "m"}
+at d=64) (varlen: (h, rows, ...) with rows = (total_q // tile_m + b) * tile_m);
 with GQA also fp32 dK, dV per query head (b, sk, h, d) (varlen: (total_k, h, d)).
 """
 from __future__ import annotations
@@ -195,7 +196,7 @@ def _fake_varlen_rows(cfg):
     return (*row_arrays, acc)
 
 
-def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False):
+def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None):
     import cutlass
     import cutlass.cute as cute
 
@@ -203,7 +204,10 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False):
 
     _check_arch(arch)
     dt = getattr(cutlass, dtype_name)
+    # The main kernel's query tile (its padding unit); None: the shipped config's.
     cfg = BwdSm90Config.for_head_dim(d)
+    if tile_m is not None and tile_m != cfg.tile_m:
+        cfg = dataclasses.replace(cfg, tile_m=tile_m, dq_split="m")
     b, sq, h = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if varlen:
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq),
@@ -260,7 +264,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
                           keep_cubin)
 
 
-def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False):
+def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None):
     import cutlass
     import cutlass.cute as cute
 
@@ -279,7 +283,8 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False):
     else:
         out = _fake_qkv(dt, d, cute.sym_int(), cute.sym_int(), cute.sym_int())
         varlen_args = (None,) * 3
-    tile_m = BwdSm90Config.for_head_dim(d).tile_m
+    if tile_m is None:
+        tile_m = BwdSm90Config.for_head_dim(d).tile_m
     return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m),
                           (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
@@ -291,23 +296,34 @@ def _get(key, build):
         return _cache[key]
 
 
+def bwd_config(d: int, cfg_overrides=None) -> BwdSm90Config:
+    """The main kernel's config: the shipped one for head dim d, with ``cfg_overrides``
+    (BwdSm90Config fields, experiments: e.g. {"tile_m": 128, "dq_split": "m"})."""
+    cfg = BwdSm90Config.for_head_dim(d)
+    return dataclasses.replace(cfg, **cfg_overrides) if cfg_overrides else cfg
+
+
 def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                     deterministic: bool = False, varlen: bool = False,
-                    persistent: bool = False):
-    """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across the flags.
-    Varlen: (pre, main, post for dq, batched post for the GQA dK/dV sums)."""
-    pre = _get(("bwd_pre", arch, dtype_name, d, varlen),
-               lambda: _compile_pre(arch, dtype_name, d, varlen=varlen))
-    main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent),
+                    persistent: bool = False, cfg_overrides=None):
+    """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across the flags
+    and keyed by the main kernel's tile_m (their padding unit). Varlen: (pre, main, post
+    for dq, batched post for the GQA dK/dV sums). ``cfg_overrides``: see bwd_config."""
+    tm = bwd_config(d, cfg_overrides).tile_m
+    extra = tuple(sorted((cfg_overrides or {}).items()))
+    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm),
+               lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm))
+    main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
+                 extra),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
                                       deterministic=deterministic, varlen=varlen,
-                                      persistent=persistent))
-    post = _get(("bwd_post", arch, dtype_name, d, False),
-                lambda: _compile_post(arch, dtype_name, d))
+                                      persistent=persistent, **(cfg_overrides or {})))
+    post = _get(("bwd_post", arch, dtype_name, d, False, tm),
+                lambda: _compile_post(arch, dtype_name, d, tile_m=tm))
     if not varlen:
         return pre, main, post
-    post_dq = _get(("bwd_post", arch, dtype_name, d, True),
-                   lambda: _compile_post(arch, dtype_name, d, varlen=True))
+    post_dq = _get(("bwd_post", arch, dtype_name, d, True, tm),
+                   lambda: _compile_post(arch, dtype_name, d, varlen=True, tile_m=tm))
     return pre, main, post_dq, post
 
 
@@ -324,11 +340,14 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
               deterministic: bool = False, kernel: str = "main", varlen: bool = False,
               persistent: bool = False, **cfg_overrides) -> bytes:
     """The cubin of one backward kernel ("pre", "main" or "post"), for SASS checks;
-    ``cfg_overrides``: BwdSm90Config fields of the main kernel (experiments)."""
+    ``cfg_overrides``: BwdSm90Config fields of the main kernel (experiments; pre / post
+    take its tile_m)."""
+    tm = cfg_overrides.get("tile_m")
     if kernel == "pre":
-        compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen)
+        compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen, tile_m=tm)
     elif kernel == "post":
-        compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen)
+        compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen,
+                                 tile_m=tm)
     else:
         compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True,
                                  deterministic=deterministic, varlen=varlen,
@@ -372,12 +391,14 @@ def _require_runnable(d: int, device=None):
 
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float, causal: bool,
-        deterministic: bool = False, persistent: bool | None = None):
+        deterministic: bool = False, persistent: bool | None = None, cfg_overrides=None):
     """Gradients of attention (batched layout). Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (b, sq, h, d); k, v (b, sk, hk, d), h % hk == 0; lse fp32 (b, h, sq) natural
     log, as returned by the forward. Inputs are assumed validated like the forward's.
     persistent: the persistent main kernel; None reads FLASH_CUTE_BWD_PERSISTENT.
+    cfg_overrides: BwdSm90Config fields of the main kernel (experiments, bench/exp_bwd.py);
+    pre / post and the allocations follow its tile_m.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -389,11 +410,12 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if dk.numel() == 0:
         return dq.zero_(), dk, dv
     _require_runnable(d, q.device)
-    cfg = BwdSm90Config.for_head_dim(d)
+    cfg = bwd_config(d, cfg_overrides)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)
     pre, main, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
-                                      gqa, bool(deterministic), persistent=persistent)
+                                      gqa, bool(deterministic), persistent=persistent,
+                                      cfg_overrides=cfg_overrides)
     q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
     lse = lse.detach().contiguous()
 
@@ -426,14 +448,16 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                out: torch.Tensor, lse: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
-               deterministic: bool = False, persistent: bool | None = None):
+               deterministic: bool = False, persistent: bool | None = None,
+               cfg_overrides=None):
     """Gradients of varlen attention. Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (total_q, h, d); k, v (total_k, hk, d); lse fp32 (h, total_q) as returned by
     the varlen forward; cu_seqlens, seqused and max_seqlen as validated for it. Rows past
     seqused come out 0 (they take no part in the attention). Same three launches as ``bwd``,
     over the padded per-sequence rows of common/seqlen.py; nothing here reads cu_seqlens on
-    the host (no sync) and no length enters the compile key. persistent: as in ``bwd``.
+    the host (no sync) and no length enters the compile key. persistent, cfg_overrides: as
+    in ``bwd``.
     """
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
@@ -445,12 +469,13 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if seqused_k is not None:  # the kernel writes no key row past seqused_k
         dk.zero_(), dv.zero_()
     _require_runnable(d, q.device)
-    cfg = BwdSm90Config.for_head_dim(d)
+    cfg = bwd_config(d, cfg_overrides)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
                                                bool(causal), gqa, bool(deterministic),
-                                               varlen=True, persistent=persistent)
+                                               varlen=True, persistent=persistent,
+                                               cfg_overrides=cfg_overrides)
     q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
     lse = lse.detach().contiguous()
     # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.

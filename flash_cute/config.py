@@ -117,6 +117,12 @@ DQ_ROW_PAD = 8
 # BwdSm90Config.dq_first: widest dQ tile (columns per warpgroup) it compiles cleanly for; at
 # d=96 "alt" (96) and d=128 "alt" ptxas serialized the wgmma for lack of registers (C7512).
 DQ_FIRST_MAX_COLS = 64
+# MMA warpgroups of kernels/sm90/bwd.py, 64 rows (one wgmma M) each: dq_split="m" gives each
+# warpgroup 64 query rows of the dQ tile, so it needs tile_m = 64 * BWD_MMA_WG.
+BWD_MMA_WG = 2
+# tile_m = 128 doubles S^T / dP^T (64 fp32 registers each per thread): with dK + dV
+# (2 * 64 * d / 128) that fits the 240 registers only at d = 64.
+BWD_TILE_M128_HEAD_DIMS = (64,)
 
 
 @dataclass(frozen=True)
@@ -131,13 +137,16 @@ class BwdSm90Config:
     96 / 128 per thread).
     """
     head_dim: int
-    tile_m: int = 64           # query rows per step (the N of S^T = K Q^T; D/LSE padding unit)
+    # Query rows per step (the N of S^T = K Q^T; D/LSE/dQaccum padding unit). 128 (opt-in,
+    # d=64, dq_split="m"): S^T / dP^T wgmma with N = 128, half the per-block fixed costs.
+    tile_m: int = 64
     tile_n: int = 128          # keys per CTA: two MMA warpgroups x 64 (one wgmma M each)
     stages: int = 2            # Q/LSE and dO/D ring depth: load m+1 while m computes
     dq_chunk: int = 64         # dQ = dS K in column chunks: live dQ registers = 64*chunk/128
     # How the two mma warpgroups share the dQ tile (dS K over all 128 keys) of a query block:
     # "n", split along d (d % 128 == 0: whole swizzle atoms of K^T); "alt", all of it by one
-    # warpgroup, alternating per query block. (Per-warpgroup tiles over its own 64 keys, two
+    # warpgroup, alternating per query block; "m", split along the queries, 64 rows each
+    # (tile_m = 128 only: the dQ tile is then 128 x d). (Per-warpgroup tiles over its own 64 keys, two
     # reductions per block, measured 21-29% slower; docs/performance.md bwd v3/v4.)
     dq_split: str = "alt"
     # Experiment (not timed yet): min(tiles, SMs) CTAs, each looping over key-block tiles in
@@ -181,8 +190,20 @@ class BwdSm90Config:
                              dq_split="n" if d % 128 == 0 else "alt", dq_first=d == 128)
 
     def __post_init__(self):
-        if self.dq_split not in ("n", "alt"):
-            raise ValueError(f"dq_split must be 'n' or 'alt', got {self.dq_split!r}")
+        if self.dq_split not in ("n", "alt", "m"):
+            raise ValueError(f"dq_split must be 'n', 'alt' or 'm', got {self.dq_split!r}")
+        if self.dq_split == "m" and (self.wide or self.tile_m != 64 * BWD_MMA_WG):
+            raise ValueError(f"dq_split='m' needs tile_m == {64 * BWD_MMA_WG} (64 query rows "
+                             f"per mma warpgroup) and the narrow kernel, got tile_m "
+                             f"{self.tile_m}, wide {self.wide}")
+        if not self.wide and self.tile_m != 64:
+            # tile_m 128: a dQ tile of 128 rows fits the registers only split along the rows.
+            if self.tile_m != 64 * BWD_MMA_WG or self.dq_split != "m" or \
+                    self.head_dim not in BWD_TILE_M128_HEAD_DIMS:
+                raise ValueError(f"tile_m={self.tile_m}: the narrow backward takes 64, or "
+                                 f"{64 * BWD_MMA_WG} with dq_split='m' at head_dim in "
+                                 f"{BWD_TILE_M128_HEAD_DIMS}; got dq_split {self.dq_split!r}, "
+                                 f"head_dim {self.head_dim}")
         if self.dq_split == "n" and self.head_dim % 128 != 0 and not self.wide:
             raise ValueError(f"dq_split='n' needs head_dim % 128 == 0, got {self.head_dim}")
         if self.dq_first and self.wide:
@@ -195,5 +216,6 @@ class BwdSm90Config:
     @property
     def dq_cols_per_wg(self) -> int:
         """Columns of dQ one warpgroup accumulates in registers at once ("alt": a warpgroup
-        does all of d; counted whole, since dq_first has no chunk loop)."""
+        does all of d; counted whole, since dq_first has no chunk loop; "m": all of d over
+        half the rows)."""
         return self.head_dim // 2 if self.dq_split == "n" else self.head_dim

@@ -101,6 +101,11 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     plus a second sdS buffer (16 KB) and sdQ fp32 tile_m * (d + DQ_ROW_PAD): d=64 18 KB,
     d=96 26 KB, d=128 34 KB. Totals: d=64 115 KB, d=96 155 KB, d=128 195 KB.
 
+tile_m = 128 (opt-in, d=64, ``dq_split="m"``: each mma warpgroup owns 64 query rows of the
+128 x d dQ tile): sQ, sdO 32 KB each, sK, sV 16 KB each, sdS 2 x 32 KB, sdQ 36 KB, LSE/D 2 KB:
+~198 KB. dS^T is then computed from the 16-bit P^T (``ds_from_p16``). STATUS: compiled only;
+ptxas reports ~32 bytes of spill (no C7512), not yet run on a GPU.
+
 Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
 (total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (sequence b
 from ``pad_offset``, whole tiles that never overlap the next sequence's). The grid covers
@@ -220,6 +225,11 @@ class FlashBwdSm90:
         if self.d % cfg.dq_chunk != 0:
             raise ValueError(f"dq_chunk {cfg.dq_chunk} must divide head_dim {self.d}")
         self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
+        # tile_m 128: S^T and dP^T take 64 fp32 registers each per thread; with dK + dV (64),
+        # fp32 S^T kept for dS^T and its 16-bit copy for dV (32) ptxas serialized the wgmma
+        # (C7512; computing dS^T before issuing dV spilled). So dS^T = P^T o (dP^T - D) reads
+        # the 16-bit P^T that dV uses (dS^T is rounded to 16 bits next anyway).
+        self.ds_from_p16 = self.tile_m > KEYS_PER_WG
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
@@ -322,11 +332,16 @@ class FlashBwdSm90:
             dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
             tiler_mn=(KEYS_PER_WG, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ = dS K over all tile_n keys, A = sdS^T (queries contiguous), B = K^T (d
-        # contiguous). "n": the warpgroups split d; "alt": one warpgroup, d in chunks.
+        # contiguous). "n": the warpgroups split d; "m" (tile_m = 128): they split the
+        # queries, 64 rows (one wgmma M) each; "alt": one warpgroup, d in chunks.
         if const_expr(self.cfg.dq_split == "n"):
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, NUM_MMA_WG, 1),
                 tiler_mn=(tm, d // NUM_MMA_WG))
+        elif const_expr(self.cfg.dq_split == "m"):
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
+                tiler_mn=(tm // NUM_MMA_WG, d))
         else:
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
@@ -536,8 +551,9 @@ class FlashBwdSm90:
             tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ, (tm, chunk), (0, c)))
                       for c in range(d // chunk)]
         else:
-            # This warpgroup's half of d of the dQ tile = dS K over all tile_n keys, one wgmma
-            # group; tdQrdS keeps sdS's buffer mode.
+            # This warpgroup's half of the dQ tile ("n": of d, "m": of the query rows) = dS K
+            # over all tile_n keys, one wgmma group; the tiled MMA's thread layout picks the
+            # half from tidx. tdQrdS keeps sdS's buffer mode.
             thr_dq = mma_dq.get_slice(tidx)
             tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
             tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sK)))]
@@ -672,7 +688,14 @@ class FlashBwdSm90:
             lse = sLSE[col0 + c0_mn[0, c][1], s]
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
                 s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
-        tdVrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+        if const_expr(not self.ds_from_p16):
+            tdVrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+        else:
+            # P^T to 16 bits in the accumulator layout: fp32 S^T dies here, dS^T reads this.
+            rP = cute.make_rmem_tensor_like(tSrS, self.dtype)
+            rP.store(tSrS.load().to(self.dtype))
+            tdVrP.store(acc_as_operand_a(rP).load())
+            s_mn = acc_as_mn(rP)
         gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
 
@@ -680,7 +703,7 @@ class FlashBwdSm90:
         for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
             dsum = sD[col0 + c0_mn[0, c][1], s]
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dsum)
+                dp_mn[r, c] = s_mn[r, c].to(Float32) * (dp_mn[r, c] - dsum)
         rdS.store(tdPrdP.load().to(self.dtype))
         tdKrdS.store(acc_as_operand_a(rdS).load())
 
