@@ -355,6 +355,15 @@ class FlashBwdWideSm90(FlashBwdSm90):
             warpgroup.wait_group(0)  # dK done: it reads sdS and sQ (released next)
 
     @cute.jit
+    def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, tiles):
+        """bwd.py's dQ warp; per turn every lane has bulk groups of its own to finish."""
+        if const_expr(not self.cfg.dq_per_turn):
+            FlashBwdSm90.dq_reduce(self, mdQaccum, mSem, sdQ, tiles)
+        else:
+            self.dq_tile(mdQaccum, mSem, sdQ, cute.arch.lane_idx(), tiles, None)
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
                 tile: KeyTile, carry):
         """bwd.py's dQ hand-off (its docstring: arrive counts, deterministic order), per turn
