@@ -92,8 +92,9 @@ def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int
 BWD_SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # The wide kernel's d=256 prefetch (kernels/sm90/bwd_wide.py): Q of the next query block loads
 # during the whole current one (2 Q stages), dO from the current one's dV on (1 dO stage,
-# released early), paid for by staging dQ per half of d. {"stages": 1} is the layout before
-# (one Q/dO stage, no prefetch; bench/exp_bwd.py's "wide_stages1").
+# released early), paid for by staging dQ per half of d. The layout before (one Q/dO stage, no
+# prefetch, checked on the H200) is bench/exp_bwd.py's "wide_old": {"stages": 1,
+# "do_stages": 0, "dq_per_turn": False}. Not yet run on a GPU.
 WIDE_256_PREFETCH = {"stages": 2, "do_stages": 1, "dq_per_turn": True}
 # Head dims served by the "wide" kernel (kernels/sm90/bwd_wide.py): both warpgroups on the same
 # 64 keys, dK / dV split along d; the rest by kernels/sm90/bwd.py.
@@ -165,7 +166,7 @@ class BwdSm90Config:
         if d in BWD_WIDE_HEAD_DIMS:
             # Shared memory (kernels/sm90/bwd_wide.py's table): d=192 fits 2 Q/dO stages
             # next to the full fp32 dQ tile (212 KB); d=256 fits 2 Q stages + 1 dO stage
-            # next to half of it (211 KB), see WIDE_256_PREFETCH. dQ chunk: 64 columns (32
+            # next to half of it (212 KB), see WIDE_256_PREFETCH. dQ chunk: 64 columns (32
             # registers) at d=256 where dK + dV take 128; d=192's half of d (96) in one wgmma.
             if d <= 192:
                 return BwdSm90Config(head_dim=d, tile_n=64, stages=2, dq_chunk=d // 2,
