@@ -3,13 +3,18 @@
     python bench/exp_bwd.py                         # every variant
     python bench/exp_bwd.py default persistent      # only these, still interleaved
     python bench/exp_bwd.py --d 256 default         # only the shapes of these head dims
+    python bench/exp_bwd.py --d 256 default wide_old wide_early_do wide_turns
 A variant is a BwdSm90Config override of the main kernel (or deterministic=True), passed to
 backward.bwd as cfg_overrides: preprocess, postprocess and the host allocations follow its
-tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m"). "persistent" (BwdSm90Config.persistent) launches min(tiles,
-SMs) CTAs looping over key-block tiles (its expected gains: causal, short sequences).
-"dq_first" (BwdSm90Config.dq_first) issues dQ before dK and stores the dQ tile under dK
-(docs/bwd_vs_fa4.md, P1; measured +2-4% at d=128, where it ships, -2..-10% at d=64; d=96 is
-skipped); "dq_last" is the other order.
+tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m").
+"persistent" (BwdSm90Config.persistent) launches min(tiles, SMs) CTAs looping over key-block
+tiles. "dq_first" (BwdSm90Config.dq_first) issues dQ before dK and stores the dQ tile under
+dK (docs/bwd_vs_fa4.md, P1; measured +2-4% at d=128, where it ships, -2..-10% at d=64; d=96
+is skipped); "dq_last" is the other order. The wide_* variants apply to d=256 only
+(kernels/sm90/bwd_wide.py; default there: 2 Q stages, 1 dO stage released after dV, dQ staged
+per half of d): "wide_old" the layout before (one Q/dO stage, no prefetch, whole dQ tile),
+"wide_early_do" that plus the early dO release, "wide_turns" that plus the per-half dQ
+staging (no second Q stage).
 
 Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA-free), then all
 variants are timed interleaved over several rounds (median per variant), the whole backward
@@ -34,6 +39,9 @@ VARIANTS = {
     "dq_first": {"dq_first": True},
     "dq_first_persistent": {"dq_first": True, "persistent": True},
     "tm128": {"tile_m": 128, "dq_split": "m"},
+    "wide_old": {"stages": 1, "do_stages": 0, "dq_per_turn": False},
+    "wide_early_do": {"stages": 1, "do_stages": 1, "dq_per_turn": False},
+    "wide_turns": {"stages": 1, "do_stages": 0, "dq_per_turn": True},
 }
 ARGS = sys.argv[1:]
 ONLY_D = None
@@ -48,6 +56,7 @@ SHAPES = [(128, 16384, False), (128, 16384, True), (64, 4096, False), (64, 16384
           # The wide kernel (kernels/sm90/bwd_wide.py): only "default" and "deterministic" apply.
           (256, 4096, False), (256, 16384, True), (192, 4096, False), (192, 16384, True)]
 WIDE_VARIANTS = ("default", "deterministic")
+WIDE_256_VARIANTS = ("wide_old", "wide_early_do", "wide_turns")  # d=256 only
 ROUNDS = 5
 
 
@@ -73,7 +82,10 @@ for d, s, causal in SHAPES:
     ref, low = (grads(qs, ks, vs, dos, causal, up) for up in (True, False))
     fns = {}
     for name, kw in VARIANTS.items():
-        if d in backward.BWD_WIDE_HEAD_DIMS and name not in WIDE_VARIANTS:
+        if name in WIDE_256_VARIANTS:
+            if d != 256:
+                continue
+        elif d in backward.BWD_WIDE_HEAD_DIMS and name not in WIDE_VARIANTS:
             continue
         det, pers = kw.get("deterministic", False), kw.get("persistent", False)
         ov = {f: x for f, x in kw.items() if f not in ("deterministic", "persistent")}

@@ -108,6 +108,12 @@ def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int
 
 
 BWD_SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+# The wide kernel's d=256 prefetch (kernels/sm90/bwd_wide.py): Q of the next query block loads
+# during the whole current one (2 Q stages), dO from the current one's dV on (1 dO stage,
+# released early), paid for by staging dQ per half of d. The layout before (one Q/dO stage, no
+# prefetch, checked on the H200) is bench/exp_bwd.py's "wide_old": {"stages": 1,
+# "do_stages": 0, "dq_per_turn": False}. Not yet run on a GPU.
+WIDE_256_PREFETCH = {"stages": 2, "do_stages": 1, "dq_per_turn": True}
 # Head dims served by the "wide" kernel (kernels/sm90/bwd_wide.py): both warpgroups on the same
 # 64 keys, dK / dV split along d; the rest by kernels/sm90/bwd.py.
 BWD_WIDE_HEAD_DIMS = (192, 256)
@@ -162,11 +168,29 @@ class BwdSm90Config:
     # path (off: dK, dQ, wait for both, then the stores). docs/bwd_vs_fa4.md, prediction P1.
     # d=64 and d=128 default splits only (DQ_FIRST_MAX_COLS).
     dq_first: bool = False
+    # dO/D ring depth; 0: ``stages`` (Q and dO stages advance in lockstep on one state). The
+    # wide kernel at d=256 affords 2 Q stages but 1 dO stage; its dO stage is then released
+    # as soon as its last reader (the dV wgmma) has completed (kernels/sm90/bwd_wide.py).
+    do_stages: int = 0
+    # Wide only: sdQ holds one dQ "turn" (tile_m x 2 * dq_chunk fp32) instead of the whole
+    # tile, handed to the dQ warp per turn (per-row bulk reduce-adds): at d=256 this frees the
+    # 32 KB of the second Q stage.
+    dq_per_turn: bool = False
 
     @property
     def dq_row(self) -> int:
-        """Row stride (fp32 elements) of dQaccum in global and shared memory."""
+        """Row stride (fp32 elements) of dQaccum in global memory."""
         return self.head_dim + DQ_ROW_PAD
+
+    @property
+    def num_do_stages(self) -> int:
+        return self.do_stages or self.stages
+
+    @property
+    def sdq_cols(self) -> int:
+        """Columns of the fp32 dQ staging tile in shared memory (its rows padded by
+        DQ_ROW_PAD)."""
+        return 2 * self.dq_chunk if self.dq_per_turn else self.head_dim
 
     @staticmethod
     def for_head_dim(d: int) -> "BwdSm90Config":
@@ -175,11 +199,15 @@ class BwdSm90Config:
                 f"fused SM90 backward: head dim {d} is not supported (supported: "
                 f"{BWD_SUPPORTED_HEAD_DIMS}); use the interim backward")
         if d in BWD_WIDE_HEAD_DIMS:
-            # Shared memory (kernels/sm90/bwd_wide.py): d=192 fits 2 Q/dO stages (212 KB),
-            # d=256 one (211 KB) next to the full fp32 dQ tile. dQ chunk: 64 columns (32
+            # Shared memory (kernels/sm90/bwd_wide.py's table): d=192 fits 2 Q/dO stages
+            # next to the full fp32 dQ tile (212 KB); d=256 fits 2 Q stages + 1 dO stage
+            # next to half of it (212 KB), see WIDE_256_PREFETCH. dQ chunk: 64 columns (32
             # registers) at d=256 where dK + dV take 128; d=192's half of d (96) in one wgmma.
-            return BwdSm90Config(head_dim=d, tile_n=64, stages=2 if d <= 192 else 1,
-                                 dq_chunk=d // 2 if d <= 192 else 64, dq_split="n", wide=True)
+            if d <= 192:
+                return BwdSm90Config(head_dim=d, tile_n=64, stages=2, dq_chunk=d // 2,
+                                     dq_split="n", wide=True)
+            return BwdSm90Config(head_dim=d, tile_n=64, dq_chunk=64, dq_split="n", wide=True,
+                                 **WIDE_256_PREFETCH)
         # A chunk must be whole 128-byte swizzle atoms of K^T (64 elements); d = 96 uses a
         # 64-byte atom (32 elements) and runs in one piece (48 registers).
         # "alt" at d=64/96 measured +27-29% over per-warpgroup tiles; at d=128 "n" and "alt"
@@ -212,6 +240,8 @@ class BwdSm90Config:
             raise ValueError(f"dq_first needs one dQ chunk of <= {DQ_FIRST_MAX_COLS} columns per "
                              f"warpgroup, got {self.dq_cols_per_wg} (head_dim {self.head_dim}, "
                              f"dq_split {self.dq_split!r})")
+        if (self.do_stages or self.dq_per_turn) and not self.wide:
+            raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
 
     @property
     def dq_cols_per_wg(self) -> int:

@@ -181,14 +181,45 @@ def test_bwd_wide_hgmma_count(d, tmp_path, monkeypatch):
     assert ops["WARPGROUP.ARRIVE"] == 2 * (4 + turns), ops["WARPGROUP.ARRIVE"]
 
 
-def test_bwd_wide_config_fits():
+# The wide kernel's d=256 layouts side by side (bench/exp_bwd.py times them): the one before
+# the prefetch (one Q/dO stage, whole dQ tile), its early dO release alone, and the per-turn
+# dQ staging alone.
+WIDE_256_OLD = {"stages": 1, "do_stages": 0, "dq_per_turn": False}
+WIDE_256_EARLY_DO = {"stages": 1, "do_stages": 1, "dq_per_turn": False}
+WIDE_256_TURNS = {"stages": 1, "do_stages": 0, "dq_per_turn": True}
+
+
+def wide_smem_bytes(cfg):
+    """bwd_wide.py's shared-memory table: K, V, Q and dO stages, sP + sdS (2-byte), the fp32
+    sdQ (padded rows), LSE / D (allocated per Q stage), mbarriers and alignment (< 2 KB)."""
+    d, tm, tn = cfg.head_dim, cfg.tile_m, cfg.tile_n
+    elems = 2 * tn * d + (cfg.stages + cfg.num_do_stages) * tm * d + 2 * tn * tm
+    return 2 * elems + 4 * tm * (cfg.sdq_cols + 8) + 2 * 4 * cfg.stages * tm
+
+
+@pytest.mark.parametrize("overrides", [{}, WIDE_256_OLD, WIDE_256_EARLY_DO, WIDE_256_TURNS],
+                         ids=["default", "old", "early_do", "turns"])
+def test_bwd_wide_config_fits(overrides):
     """Shared memory of the wide layout (bwd_wide.py's budget) within the 227 KB limit."""
     for d in BWD_WIDE_HEAD_DIMS:
-        cfg = BwdSm90Config.for_head_dim(d)
+        cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **overrides)
         assert cfg.wide and cfg.tile_n == 64 and cfg.head_dim % (2 * cfg.dq_chunk) == 0
-        elems = 2 * cfg.tile_n * d + 2 * cfg.stages * cfg.tile_m * d + 2 * cfg.tile_n * cfg.tile_m
-        total = 2 * elems + 4 * cfg.tile_m * cfg.dq_row + 2 * 4 * cfg.stages * cfg.tile_m
-        assert total <= 227 * 1024 - 2048, (d, total)
+        assert wide_smem_bytes(cfg) <= 227 * 1024 - 2048, (d, wide_smem_bytes(cfg))
+
+
+@pytest.mark.parametrize("overrides", [WIDE_256_OLD, WIDE_256_EARLY_DO, WIDE_256_TURNS],
+                         ids=["old", "early_do", "turns"])
+@pytest.mark.parametrize("causal,deterministic,varlen", [(False, False, False),
+                                                         (True, True, False),
+                                                         (True, False, True)])
+def test_bwd_wide_256_variants_ptxas(overrides, causal, deterministic, varlen, tmp_path,
+                                     monkeypatch):
+    """The other d=256 layouts (exp_bwd.py variants) stay spill-free and unserialized."""
+    monkeypatch.chdir(tmp_path)
+    ptx = backward._compile_main(ARCH, "BFloat16", 256, causal, True, keep_cubin="ptx",
+                                 deterministic=deterministic, varlen=varlen,
+                                 **overrides).__ptx__
+    check_ptxas(ptx, tmp_path)
 
 
 def test_bwd_cache_key_ignores_lengths():

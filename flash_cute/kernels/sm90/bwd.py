@@ -269,8 +269,10 @@ class FlashBwdSm90:
         mma_sdp, mma_dkv, mma_dq = self.make_mmas()
         sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout = self.smem_layouts()
         sLSE_layout = cute.make_layout((tm, stages))
-        # The fp32 dQ tile, rows padded like dQaccum's (the bulk reduce copies it 1-D).
-        sdQ_layout = cute.make_layout((tm, d), stride=(self.cfg.dq_row, 1))
+        # The fp32 dQ tile (wide per-turn: part of it), rows padded like dQaccum's (the bulk
+        # reduce copies it 1-D).
+        sdq_cols = self.cfg.sdq_cols
+        sdQ_layout = cute.make_layout((tm, sdq_cols), stride=(sdq_cols + DQ_ROW_PAD, 1))
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
@@ -384,7 +386,7 @@ class FlashBwdSm90:
         pipe_kv, pipe_q, pipe_do = make_tma_pipelines(
             [(storage.mbar_kv, 1, self.kv_bytes),
              (storage.mbar_q, self.cfg.stages, self.q_stage_bytes),
-             (storage.mbar_do, self.cfg.stages, self.q_stage_bytes)], NUM_MMA_WG * 4)
+             (storage.mbar_do, self.cfg.num_do_stages, self.q_stage_bytes)], NUM_MMA_WG * 4)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)

@@ -1,7 +1,9 @@
 """SM90 (Hopper) attention backward for head dims 192 and 256: the "wide" layout.
 
-STATUS: compiled and ptxas-checked on CPU only (every dtype / causal / GQA / deterministic /
-varlen variant: no spills, no serialized wgmma); not yet run on a GPU.
+STATUS: the layout before the d=256 prefetch (d=192 unchanged; d=256 now exp_bwd.py's
+"wide_old") was checked on the H200 (bench/check_bwd.py, check_varlen_bwd.py). The d=256
+prefetch (2 Q stages, 1 dO stage released early, dQ per turn) is compiled and ptxas-checked on
+CPU only (every variant: no spills, no serialized wgmma); not yet run on a GPU.
 
 Same math, roles, pipelines and dQ protocol as kernels/sm90/bwd.py (read its docstring first);
 this class inherits everything but the per-warpgroup work split. bwd.py gives each mma warpgroup
@@ -26,37 +28,67 @@ P^T and dS^T in 16 bits 8 + 8 (briefly, on the way to shared memory).
 Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 
     S^T | dP^T | [wait 1: S^T] (mask) P^T = exp2(...) -> sP | P_READY | dV | [wait 1: dP^T]
-    dS^T -> sdS | DS_READY | dK | [wait 1: dV] | DQ_EMPTY | dQ chunks [wait 0] -> sdQ |
-    DQ_FULL arrive | release the Q / dO stage
+    dS^T -> sdS | DS_READY | then, whole dQ tile (d=192; d=256 "wide_old"):
+        dK | [wait 1: dV] (release dO if on its own ring) | DQ_EMPTY | per turn: dQ chunk
+        [wait 0] -> sdQ | DQ_FULL arrive | release Q (and dO)
+    or, sdQ per turn (cfg.dq_per_turn, d=256):
+        dQ turn 0 [wait 0: also dV] | release dO | DQ_EMPTY | -> sdQ | DQ_FULL arrive | dK |
+        dQ turn 1 [wait 0: also dK] | DQ_EMPTY | -> sdQ | DQ_FULL arrive | release Q
+    Turn 0's reduction (dQ warp) runs under dK and turn 1's wgmma, which is what a single sdQ
+    buffer per turn needs to not stall the mma warpgroups at turn 1's DQ_EMPTY.
 
 Named barriers (bwd.py's, plus P_READY), each over the 256 mma threads after a
 fence.proxy.async (generic stmatrix writes -> wgmma reads): P_READY, both halves of P^T are in
 sP; DS_READY, both halves of dS^T are in sdS. sP and sdS are single buffers, safe because
 every write follows a barrier that both warpgroups reach only after their last read of the
-buffer is complete: block m+1's sP write follows DQ_EMPTY of block m, which each warpgroup
-reaches after waiting for its dV of block m (the "wait 1" after issuing dK); block m+1's sdS
-write follows P_READY of block m+1, reached after block m's dK and dQ (wait 0 in the dQ loop).
+buffer is complete: block m+1's sP write follows every DQ_EMPTY of block m, each reached after
+waiting for that warpgroup's dV of block m (the "wait 1" after issuing dK, or per turn the wait
+of turn 0's dQ, which precedes the first DQ_EMPTY); block m+1's sdS write follows P_READY of
+block m+1, reached after block m's dK and dQ have been waited on (the last wait 0).
 
-Shared memory (2-byte elements unless noted; tile_m = tile_n = 64):
-    sK, sV   64*d each              sQ, sdO   stages*64*d each
-    sP, sdS  64*64 each (one buffer each)     sLSE, sD  stages*64 fp32 each
-    sdQ      64 * (d + DQ_ROW_PAD) fp32
-    d=192, 2 stages: 48 + 96 + 16 + 50 KB (sdQ) + 2 KB = 212 KB (217088 bytes)
-    d=256, 1 stage:  64 + 64 + 16 + 66 KB (sdQ) + 1 KB = 211 KB (216064 bytes)   (limit 227 KB)
-d=256 with one stage loads block m+1's Q / dO only once block m released them (no prefetch
-across blocks). Two stages (+64 KB) would need the fp32 sdQ tile (66 KB) to shrink to ~18 KB:
-dQ handed to the dQ warp in 64 x 64 column chunks (a TMA tensor reduce-add per chunk, four per
-block, each chunk's buffer double-buffered against the reduction), or a second stage for dO
-only (+32 KB) with sdQ halved (two 32-column-chunk rounds per warpgroup, two reductions per
-block).
+The dQ hand-off (DQ_FULL / DQ_EMPTY, 256 mma threads + the dQ warp) is bwd.py's, per block
+with a whole sdQ tile (one 1-D bulk reduce-add of the padded tile) and per turn with
+cfg.dq_per_turn: the dQ warp arrives on DQ_EMPTY once before the tile's first block and after
+every turn but the tile's last, waits on DQ_FULL once per turn; the mma warpgroups wait on
+DQ_EMPTY and arrive on DQ_FULL once per turn. A turn's columns of dQaccum are 2 * dq_chunk
+fp32 of each row (512 bytes at d=256, rows d + DQ_ROW_PAD apart), so each lane of the dQ warp
+adds tile_m / 32 whole rows with its own 1-D bulk reduce-adds and bulk group, waits for
+their read of sdQ, then the warp arrives. Deterministic: lane 0 waits for the query block's
+semaphore before turn 0 (the warp then syncs and fences the async proxy), every lane waits for
+its adds of the last turn to land, and after a warp sync lane 0 signals. Varlen: the rows are
+the sequence's own padded rows (common/seqlen.py), as for the whole-tile reduce.
+
+Pipelines: pipe_kv, pipe_q as bwd.py's (8 consumer-warp arrives release a stage; 1 producer
+arrive + TMA bytes fill it). pipe_do: ``stages`` stages in lockstep with pipe_q (one state) by
+default; with cfg.do_stages, its own ring and PipelineState on both sides, released as soon as
+its last reader (dV; D was read for dS^T) has completed, so the load warp brings block m+1's dO
+in during block m's dK and dQ. The load warp acquires in the order the stages free up: at
+d=256 (2 Q, 1 dO) Q(m+1) first (free once block m-1 ended), then dO(m+1) (block m's dV); with
+do_stages >= stages (exp_bwd.py's "wide_early_do": 1 and 1) dO(m+1) first.
+
+Shared memory (bytes; tile_m = tile_n = 64; limit 232448 = 227 KB; "size": the measured
+SharedStorage.size_in_bytes, adding mbarriers and 1 KB alignment to the sum):
+
+    d    Q  dO  sdQ cols      K+V     Q+dO   sP+sdS  sdQ fp32  LSE/D     sum    size
+    192  2  2   192 (all)   49152    98304   16384    51200    1024  216064  217088
+    256  1  1   256 (all)   65536    65536   16384    67584     512  215552  216064 wide_old
+    256  2  2   256 (all)   65536   131072   16384    67584    1024  281600  too big
+    256  2  2    64 (1 buf) 65536   131072   16384    18432    1024  232448  too big (+mbar)
+    256  2  1   128 (turn)  65536    98304   16384    34816    1024  216064  217088 default
+d=256 with 2 + 2 stages leaves 17 KB: one 64 x 64 fp32 buffer, unpadded (bank-conflicted
+writes), i.e. four hand-offs per block through one buffer, each waiting for the previous
+reduction's read (serialised: about as long as the load latency it would hide). 2 Q + 1 dO
+stages keep two hand-offs per block, the second hidden under dK, and lose only the early part
+of dO's overlap (it loads during dS, dK and dQ of the previous block instead of all of it).
+d=192 keeps both stages and the whole tile (one turn: nothing to split).
 
 Swizzle: an MN-major wgmma operand (dO, Q as the B of dV / dK, K as the B of dQ) must start on
 a swizzle atom, so sQ, sdO, sK, sV use the widest atom that divides d/2 (make_smem_layout's
 atom_cols): 128-byte at d=256, 64-byte at d=192 (96 = 3 atoms of 32 columns).
 
-Inherited unchanged from bwd.py: load warp (K/V once, Q + LSE and dO + D per query block),
-dQ warp (DQ_FULL / DQ_EMPTY, one bulk reduce-add per block; deterministic semaphores), the
-causal block range and diagonal/ragged masking (block_info with tile_n = 64), GQA (fp32
+Inherited from bwd.py: load warp (K/V once, Q + LSE and dO + D per query block; overridden
+here only for dO's own ring), dQ warp (DQ_FULL / DQ_EMPTY, one bulk reduce-add per block;
+deterministic semaphores; overridden here only per turn), the causal block range and diagonal/ragged masking (block_info with tile_n = 64), GQA (fp32
 per-query-head dK / dV summed by bwd_post), varlen (tail rows zeroed in shared memory) and the
 predicated dK / dV epilogue. Not supported: the persistent scheduler.
 """
@@ -71,13 +103,15 @@ from cutlass.cute.nvgpu import warp, warpgroup
 from ...config import BwdSm90Config
 from ..common.layout import acc_as_mn, transpose_mn
 from ..common.mask import apply_mask_key_major
-from .bwd import DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, FlashBwdSm90
+from .bwd import DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, FlashBwdSm90, KeyTile
+from .pipelines import bulk_reduce_add_f32, tma_split
 from .wgmma import gemm, make_smem_layout
 
 KEYS = 64                        # the key block both warpgroups share: one wgmma M
 P_READY = int(Barrier.TAIL) + 1  # named barrier: both warpgroups' P^T columns are in sP
 P_BUF, DS_BUF = 0, 1             # buffers of the (64, 64, 2) sP/sdS tile the base kernel allocates
 MMA_THREADS = NUM_MMA_WG * WG_THREADS
+LANES = 32                       # the dQ warp: per turn, each lane reduces tile_m / 32 rows
 
 
 class FlashBwdWideSm90(FlashBwdSm90):
@@ -94,6 +128,11 @@ class FlashBwdWideSm90(FlashBwdSm90):
         if cfg.head_dim % (NUM_MMA_WG * cfg.dq_chunk) != 0:
             raise ValueError(f"dq_chunk {cfg.dq_chunk} must split head_dim {cfg.head_dim} "
                              f"evenly between {NUM_MMA_WG} warpgroups")
+        if cfg.do_stages > cfg.stages:
+            # sD and the dO mbarriers are allocated per Q stage (bwd.py's SharedStorage).
+            raise ValueError(f"do_stages {cfg.do_stages} must not exceed stages {cfg.stages}")
+        if cfg.dq_per_turn and cfg.tile_m % LANES != 0:
+            raise ValueError(f"dq_per_turn needs tile_m % {LANES} == 0, got {cfg.tile_m}")
         self.deterministic = deterministic
         self.persistent = False
         self.varlen = varlen
@@ -130,7 +169,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
         dt, tm, d, stages = self.dtype, self.tile_m, self.d, self.cfg.stages
         half = d // NUM_MMA_WG  # each warpgroup's column slices start on a swizzle atom
         return (make_smem_layout(dt, (tm, d), stages, atom_cols=half),
-                make_smem_layout(dt, (tm, d), stages, atom_cols=half),
+                make_smem_layout(dt, (tm, d), self.cfg.num_do_stages, atom_cols=half),
                 make_smem_layout(dt, (KEYS, d), atom_cols=half),
                 make_smem_layout(dt, (KEYS, d), atom_cols=half),
                 make_smem_layout(dt, (KEYS, tm), 2))
@@ -174,8 +213,10 @@ class FlashBwdWideSm90(FlashBwdSm90):
             transpose_mn(sK), (NUM_MMA_WG * chunk, KEYS), (c, 0)))) for c in range(turns)]
         tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, NUM_MMA_WG * chunk)),
                                        Float32)
-        tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ, (tm, NUM_MMA_WG * chunk), (0, c)))
-                  for c in range(turns)]
+        # Per turn (cfg.dq_per_turn), sdQ holds one turn's columns and every turn reuses it.
+        tdQsdQ = [thr_dq.partition_C(cute.local_tile(
+            sdQ, (tm, NUM_MMA_WG * chunk), (0, 0 if self.cfg.dq_per_turn else c)))
+            for c in range(turns)]
 
         # P^T / dS^T registers -> this warpgroup's columns of sP / sdS with stmatrix.
         store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
@@ -199,6 +240,9 @@ class FlashBwdWideSm90(FlashBwdSm90):
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+        if const_expr(self.cfg.do_stages):  # dO on its own ring: (Q state, dO state)
+            st = (st, pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                   self.cfg.do_stages))
         self.each_tile(tiles, body, (kv, st))
 
     @cute.jit
@@ -206,21 +250,25 @@ class FlashBwdWideSm90(FlashBwdSm90):
                mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
                sD: cute.Tensor, pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32,
                seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
-        """One query block (see the module docstring for the order and the barriers)."""
+        """One query block (see the module docstring for the order and the barriers). ``st``:
+        the Q/dO consumer state, or (Q state, dO state) with cfg.do_stages."""
         (tSrS, tdPrdP, rP, rdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO,
          tdKrdS, tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, thr_store, tPsPdS, tScS, t0ScS) = frags
         tm = self.tile_m
-        s = st.index
+        split = const_expr(self.cfg.do_stages != 0)
+        st_q = st[0] if split else st
+        st_do = st[1] if split else st
+        s, s_do = st_q.index, st_do.index
         if const_expr(self.varlen):
             if m_block == q_tail:  # the sequence ends inside this block
-                pipe_q.consumer_wait(st)  # the waits below then pass at once
-                pipe_do.consumer_wait(st)
-                self.zero_tail_rows((sQ[None, None, s], sdO[None, None, s]), q_tail_rows,
+                pipe_q.consumer_wait(st_q)  # the waits below then pass at once
+                pipe_do.consumer_wait(st_do)
+                self.zero_tail_rows((sQ[None, None, s], sdO[None, None, s_do]), q_tail_rows,
                                     cute.arch.thread_idx()[0] - WG_THREADS)
-        pipe_q.consumer_wait(st)
+        pipe_q.consumer_wait(st_q)
         gemm(mma_sdp, tSrS, tSrK, tSrQ[None, None, None, s], zero_init=True, wait_group=-1)
-        pipe_do.consumer_wait(st)
-        gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s], zero_init=True,
+        pipe_do.consumer_wait(st_do)
+        gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s_do], zero_init=True,
              wait_group=-1)
         if const_expr(masked):
             warpgroup.wait_group(0)  # the few diagonal/ragged blocks: no mask over live wgmma
@@ -242,30 +290,199 @@ class FlashBwdWideSm90(FlashBwdSm90):
         cute.copy(thr_store, thr_store.retile(rP), tPsPdS[None, None, None, P_BUF])
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
         cute.arch.barrier(barrier_id=P_READY, number_of_threads=MMA_THREADS)
-        gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
+        gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s_do], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
 
         # dS^T = P^T o (dP^T - D[query]), unscaled (bwd_post / the epilogue apply the scale).
         for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-            dsum = sD[col0 + c0_mn[0, c][1], s]
+            dsum = sD[col0 + c0_mn[0, c][1], s_do]
             for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
                 dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dsum)
         rdS.store(tdPrdP.load().to(self.dtype))
         cute.copy(thr_store, thr_store.retile(rdS), tPsPdS[None, None, None, DS_BUF])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=MMA_THREADS)
-        # dV done before DQ_EMPTY: the other warpgroup writes the next block's sP after it.
-        gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
-             wait_group=1)
-
-        # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
-        for c in cutlass.range_constexpr(len(tdQrK)):
-            gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[c], zero_init=True, wait_group=0)
-            cute.autovec_copy(tdQrdQ, tdQsdQ[c])
-        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
-        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
-        pipe_q.consumer_release(st)
+        if const_expr(self.cfg.dq_per_turn):
+            self.dq_turns(mma_dkv, mma_dq, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], tdQrdS,
+                          tdQrK, tdQrdQ, tdQsdQ[0], pipe_do, st_do, split)
+        else:
+            # dV done before DQ_EMPTY: the other warpgroup writes the next block's sP after it.
+            gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
+                 wait_group=1)
+            if const_expr(split):
+                pipe_do.consumer_release(st_do)  # its last reader, dV, has completed
+            # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+            for c in cutlass.range_constexpr(len(tdQrK)):
+                gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[c], zero_init=True, wait_group=0)
+                cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL),
+                                     number_of_threads=DQ_THREADS)
+        pipe_q.consumer_release(st_q)
+        if const_expr(split):
+            st_q.advance()
+            st_do.advance()
+            return (st_q, st_do)
         pipe_do.consumer_release(st)
         st.advance()
         return st
+
+    @cute.jit
+    def dq_turns(self, mma_dkv, mma_dq, tdKrdK: cute.Tensor, tdKrdS: cute.Tensor,
+                 tdKrQ: cute.Tensor, tdQrdS: cute.Tensor, tdQrK, tdQrdQ: cute.Tensor,
+                 tdQsdQ: cute.Tensor, pipe_do, st_do, release_do: cutlass.Constexpr[bool]):
+        """dK and dQ with sdQ holding one turn (cfg.dq_per_turn): turn 0's dQ first, so that
+        its reduction runs under dK and the later turns' wgmma. Each turn: wgmma, wait, then
+        DQ_EMPTY (the dQ warp has read the previous turn out of sdQ), write, DQ_FULL.
+        ``release_do``: dO is on its own ring (cfg.do_stages), released here after dV."""
+        turns = len(tdQrK)
+        for c in cutlass.range_constexpr(turns):
+            gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[c], zero_init=True, wait_group=0)
+            if const_expr(c == 0 and release_do):
+                # The wait also completed dV, the last reader of sdO (and of sP: every DQ_EMPTY
+                # below follows it, which orders the next block's sP writes after it).
+                pipe_do.consumer_release(st_do)
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+            cute.autovec_copy(tdQrdQ, tdQsdQ)
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL),
+                                     number_of_threads=DQ_THREADS)
+            if const_expr(c == 0):
+                # dK under turn 0's reduction; waited on by the next turn's wait (or below).
+                gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ, zero_init=False, wait_group=-1)
+        if const_expr(turns == 1):
+            warpgroup.wait_group(0)  # dK done: it reads sdS and sQ (released next)
+
+    @cute.jit
+    def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, tiles):
+        """bwd.py's dQ warp; per turn every lane has bulk groups of its own to finish."""
+        if const_expr(not self.cfg.dq_per_turn):
+            FlashBwdSm90.dq_reduce(self, mdQaccum, mSem, sdQ, tiles)
+        else:
+            self.dq_tile(mdQaccum, mSem, sdQ, cute.arch.lane_idx(), tiles, None)
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
+                tile: KeyTile, carry):
+        """bwd.py's dQ hand-off (its docstring: arrive counts, deterministic order), per turn
+        with cfg.dq_per_turn: DQ_EMPTY / DQ_FULL once per turn, one of each per turn of every
+        block but no EMPTY arrive after the tile's last turn. The turn's columns of a dQaccum
+        row are contiguous but the rows are not (dQaccum rows hold all of d), so each lane
+        reduces whole rows (512 bytes at d=256), tm / 32 of them, with its own bulk group.
+        Deterministic: lane 0 waits for the semaphore before the block's first turn and
+        signals it after the last turn's adds of every lane have landed."""
+        if const_expr(not self.cfg.dq_per_turn):
+            return FlashBwdSm90.dq_tile(self, mdQaccum, mSem, sdQ, lane, tile, carry)
+        tm, d, cols = self.tile_m, self.d, self.cfg.sdq_cols
+        turns = d // cols
+        n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
+        m_begin, m_end = tile.m_begin, tile.m_end
+        if m_begin < m_end:
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
+                                     number_of_threads=DQ_THREADS)
+        for m_block in cutlass.range(m_begin, m_end, unroll=1):
+            gdQ = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, d), (m_block, 0))
+            if const_expr(self.varlen):
+                sem = mSem.iterator + cute.crd2idx((seq.offset_q_pad // tm + m_block, head),
+                                                   mSem.layout)
+            else:
+                sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
+            for t in cutlass.range_constexpr(turns):
+                cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
+                if const_expr(self.deterministic and t == 0):
+                    if lane == 0:
+                        while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
+                            pass
+                    cute.arch.sync_warp()  # every lane's adds after lane 0's acquire
+                    cute.arch.fence_proxy("async.global")
+                for i in cutlass.range_constexpr(tm // LANES):
+                    row = lane + i * LANES
+                    bulk_reduce_add_f32(gdQ.iterator + cute.crd2idx((row, t * cols), gdQ.layout),
+                                        sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout),
+                                        cols * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.deterministic and t == turns - 1):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # this lane's adds landed
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.sync_warp()  # ... and every other lane's
+                    if lane == 0:
+                        cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                if const_expr(t < turns - 1):
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
+                                             number_of_threads=DQ_THREADS)
+                elif m_block + 1 < m_end:  # no arrive without a matching wait after the last
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
+                                             number_of_threads=DQ_THREADS)
+        return carry
+
+    @cute.jit
+    def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+             mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+             sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
+             tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+             tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
+             pipe_q, pipe_do, tiles):
+        """bwd.py's producer; with cfg.do_stages the dO ring has its own state, and the dO
+        acquire of block m+1 waits for block m's early release (after its dV)."""
+        if const_expr(not self.cfg.do_stages):
+            FlashBwdSm90.load(self, mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q,
+                              tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do,
+                              tiles)
+        else:
+            tm, tn, d = self.tile_m, self.tile_n, self.d
+            tile = tiles  # one tile per CTA (no persistent wide kernel)
+            n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
+            gQ = cute.local_tile(seq.q_rows(mQ, head, batch), (tm, d), (None, 0))
+            gdO = cute.local_tile(seq.q_rows(mdO, head, batch), (tm, d), (None, 0))
+            gK = cute.local_tile(seq.k_rows(mK, head_kv, batch), (tn, d), (n_block, 0))
+            gV = cute.local_tile(seq.k_rows(mV, head_kv, batch), (tn, d), (n_block, 0))
+            gLSE = cute.local_tile(seq.q_pad_rows(mLSE, head, batch), (tm,), (None,))
+            gD = cute.local_tile(seq.q_pad_rows(mD, head, batch), (tm,), (None,))
+            tQsQ, tQgQ = tma_split(tma_q, sQ, gQ)
+            tdOsdO, tdOgdO = tma_split(tma_do, sdO, gdO)
+            tKsK, tKgK = tma_split(tma_k, sK, gK)
+            tVsV, tVgV = tma_split(tma_v, sV, gV)
+            tLsL, tLgL = tma_split(tma_lse, sLSE, gLSE, rank=1)
+            tDsD, tDgD = tma_split(tma_d, sD, gD, rank=1)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            st_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                self.cfg.stages)
+            st_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                 self.cfg.do_stages)
+            pipe_kv.producer_acquire(kv)
+            cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+            # Acquire in the order the stages free up: Q(m+1) waits for the end of block
+            # m+1-stages, dO(m+1) for the dV of block m+1-do_stages, which comes first when
+            # do_stages >= stages.
+            do_first = const_expr(self.cfg.do_stages >= self.cfg.stages)
+            for m_block in cutlass.range(tile.m_begin, tile.m_end, unroll=1):
+                if const_expr(do_first):
+                    self.load_do(tma_do, tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st_do,
+                                 m_block)
+                pipe_q.producer_acquire(st_q)
+                bar_q = pipe_q.producer_get_barrier(st_q)
+                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, st_q.index], tma_bar_ptr=bar_q)
+                cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, st_q.index],
+                          tma_bar_ptr=bar_q)
+                if const_expr(not do_first):
+                    self.load_do(tma_do, tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st_do,
+                                 m_block)
+                st_q.advance()
+                st_do.advance()
+
+    @cute.jit
+    def load_do(self, tma_do: cute.CopyAtom, tma_d: cute.CopyAtom, tdOgdO: cute.Tensor,
+                tdOsdO: cute.Tensor, tDgD: cute.Tensor, tDsD: cute.Tensor, pipe_do, st_do,
+                m_block: Int32):
+        """dO[m] + D[m] into the dO stage of ``st_do`` (not advanced)."""
+        pipe_do.producer_acquire(st_do)
+        bar_do = pipe_do.producer_get_barrier(st_do)
+        cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, st_do.index], tma_bar_ptr=bar_do)
+        cute.copy(tma_d, tDgD[None, m_block], tDsD[None, st_do.index], tma_bar_ptr=bar_do)
