@@ -29,7 +29,7 @@ class FwdSm90Config:
     # Persistent only: after its first tile a CTA claims the next one from a global atomic
     # counter (kernels/common/scheduler.py, "dynamic"), so whichever SM frees first takes the
     # next tile of the longest-first order, as the hardware does for the one-tile-per-CTA grid.
-    # Off: the static alternating walk. Experiment (not timed yet), aimed at causal.
+    # Off: the static alternating walk. Causal uses it (persistent_fwd_walk): +2-8% on the H200.
     dynamic: bool = False
 
     def __post_init__(self):
@@ -112,7 +112,7 @@ BWD_SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # during the whole current one (2 Q stages), dO from the current one's dV on (1 dO stage,
 # released early), paid for by staging dQ per half of d. The layout before (one Q/dO stage, no
 # prefetch, checked on the H200) is bench/exp_bwd.py's "wide_old": {"stages": 1,
-# "do_stages": 0, "dq_per_turn": False}. Not yet run on a GPU.
+# "do_stages": 0, "dq_per_turn": False}. H200: +18-22% (docs/performance.md, bwd v7).
 WIDE_256_PREFETCH = {"stages": 2, "do_stages": 1, "dq_per_turn": True}
 # Head dims served by the "wide" kernel (kernels/sm90/bwd_wide.py): both warpgroups on the same
 # 64 keys, dK / dV split along d; the rest by kernels/sm90/bwd.py.
@@ -155,17 +155,18 @@ class BwdSm90Config:
     # (tile_m = 128 only: the dQ tile is then 128 x d). (Per-warpgroup tiles over its own 64 keys, two
     # reductions per block, measured 21-29% slower; docs/performance.md bwd v3/v4.)
     dq_split: str = "alt"
-    # Experiment (not timed yet): min(tiles, SMs) CTAs, each looping over key-block tiles in
+    # Opt-in: min(tiles, SMs) CTAs, each looping over key-block tiles in
     # kernels/common/scheduler.py order, so one tile's K/V load overlaps the previous tile's
-    # epilogue and the grid has no partial last wave. Off: one CTA per tile.
+    # epilogue. Measured 0-24% slower than one CTA per tile on the H200 (long tiles, static
+    # deal of unequal causal tiles; docs/performance.md). Off: one CTA per tile.
     persistent: bool = False
     # The wide layout (kernels/sm90/bwd_wide.py, tile_n = 64): S^T / dP^T split along the
     # queries, dK / dV / dQ along d, P^T and dS^T through shared memory. dq_split is unused;
     # dq_chunk is each warpgroup's dQ wgmma width (its share of d in d / (2 * dq_chunk) turns).
     wide: bool = False
-    # Experiment (not timed yet): issue the dQ wgmma before dK's and write the dQ tile to sdQ
-    # while dK still runs, so the sdQ stores and the dQ hand-off leave the tensor-core critical
-    # path (off: dK, dQ, wait for both, then the stores). docs/bwd_vs_fa4.md, prediction P1.
+    # Issue the dQ wgmma before dK's and write the dQ tile to sdQ while dK still runs, so the
+    # sdQ stores and the dQ hand-off leave the tensor-core critical path (off: dK, dQ, wait for
+    # both, then the stores). docs/bwd_vs_fa4.md P1; on at d=128 (+2-4%), -2..-10% at d=64.
     # d=64 and d=128 default splits only (DQ_FIRST_MAX_COLS).
     dq_first: bool = False
     # dO/D ring depth; 0: ``stages`` (Q and dO stages advance in lockstep on one state). The

@@ -25,9 +25,9 @@ EXPERIMENTS = ([("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c 
                   for c in (False, True)]
                + [(dt, d, True, {"packed_p_cvt": True}) for dt in ("BFloat16", "Float16")
                   for d in (128, 256)]
-               # Persistent forward (opt-in, not timed yet) in the configs it runs with.
+               # Persistent forward (static walk: non-causal default) in the configs it runs with.
                + [("BFloat16", d, c, persistent_fwd_overrides(d, c)) for d, c in PERSISTENT_FWD]
-               # Its dynamic tile order (atomic tile counter), not timed yet either.
+               # Its dynamic tile order (atomic tile counter: causal default).
                + [("BFloat16", d, c, persistent_fwd_overrides(d, c, dynamic=True))
                   for d, c in PERSISTENT_FWD_DYN])
 
