@@ -2,7 +2,8 @@
 
 STATUS: checked on the H200 (bench/check_bwd.py, check_varlen_bwd.py), d=192 and d=256 with
 the prefetch below (2 Q stages, 1 dO stage released early, dQ per turn: +18-22% over one
-stage, exp_bwd.py's "wide_old"). Not checked on the GPU with the prefetch: varlen at d=256.
+stage, exp_bwd.py's "wide_old"). Not checked on the GPU: varlen at d=192, and varlen at d=256
+with the prefetch (bench/check_varlen_bwd.py --only d=192 / d=256 hold those cases).
 
 Same math, roles, pipelines and dQ protocol as kernels/sm90/bwd.py (read its docstring first);
 this class inherits everything but the per-warpgroup work split. bwd.py gives each mma warpgroup
