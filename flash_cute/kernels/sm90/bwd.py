@@ -651,6 +651,61 @@ class FlashBwdSm90:
         cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=NUM_MMA_WG * WG_THREADS)
 
     @cute.jit
+    def issue_s_dp(self, m_block: Int32, st_q, st_do, masked: cutlass.Constexpr[bool], mma_sdp,
+                   tSrS: cute.Tensor, tdPrdP: cute.Tensor, tSrK: cute.Tensor, tSrQ: cute.Tensor,
+                   tdPrV: cute.Tensor, tdPrdO: cute.Tensor, tScS: cute.Tensor,
+                   t0ScS: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, pipe_q, pipe_do,
+                   n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32,
+                   q_tail_rows: Int32):
+        """S^T = K Q^T and dP^T = V dO^T of one query block, once its Q and dO stages are in
+        (varlen: rows past the sequence zeroed first). Returns with S^T complete (and masked,
+        on a masked block, where dP^T is complete too); otherwise dP^T may still run."""
+        s, s_do = st_q.index, st_do.index
+        if const_expr(self.varlen):
+            if m_block == q_tail:  # the sequence ends inside this block
+                pipe_q.consumer_wait(st_q)  # the waits below then pass at once
+                pipe_do.consumer_wait(st_do)
+                self.zero_tail_rows((sQ[None, None, s], sdO[None, None, s_do]), q_tail_rows,
+                                    cute.arch.thread_idx()[0] - WG_THREADS)
+        pipe_q.consumer_wait(st_q)
+        gemm(mma_sdp, tSrS, tSrK, tSrQ[None, None, None, s], zero_init=True, wait_group=-1)
+        pipe_do.consumer_wait(st_do)
+        gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s_do], zero_init=True,
+             wait_group=-1)
+        if const_expr(masked):
+            warpgroup.wait_group(0)  # the few diagonal/ragged blocks: no mask over live wgmma
+            apply_mask_key_major(tSrS, tScS, t0ScS, n_block, m_block, self.tile_n, self.tile_m,
+                                 seqlen_q, seqlen_k, self.causal)
+        else:
+            warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
+
+    @cute.jit
+    def p_from_s(self, tSrS: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor,
+                 sLSE: cute.Tensor, s: Int32, scale_log2: Float32):
+        """P^T = exp2(S^T * scale_log2 - LSE_log2[query]) in place; a column of S^T is one
+        query, its LSE read from the stage's row in shared memory."""
+        s_mn = acc_as_mn(tSrS)
+        c0_mn = acc_as_mn(t0ScS)
+        col0 = acc_as_mn(tScS)[0, 0][1]
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            lse = sLSE[col0 + c0_mn[0, c][1], s]
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+
+    @cute.jit
+    def ds_from_dp(self, tdPrdP: cute.Tensor, p_mn: cute.Tensor, tScS: cute.Tensor,
+                   t0ScS: cute.Tensor, sD: cute.Tensor, s: Int32):
+        """dS^T = P^T o (dP^T - D[query]) in place of dP^T, unscaled (bwd_post / the epilogue
+        apply the scale). ``p_mn``: P^T in the (rows, cols) view, fp32 or 16-bit."""
+        dp_mn = acc_as_mn(tdPrdP)
+        c0_mn = acc_as_mn(t0ScS)
+        col0 = acc_as_mn(tScS)[0, 0][1]
+        for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+            dsum = sD[col0 + c0_mn[0, c][1], s]
+            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+                dp_mn[r, c] = p_mn[r, c].to(Float32) * (dp_mn[r, c] - dsum)
+
+    @cute.jit
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
                mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
                sD: cute.Tensor, pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32,
@@ -658,38 +713,15 @@ class FlashBwdSm90:
         """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring)."""
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
          tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
-        tm, tn = self.tile_m, self.tile_n
         s = st.index
         # The CTA's running query-block count: sdS buffers and "alt" dQ turns alternate
         # strictly, also across a tile boundary (m_block may restart at an equal parity).
         step = st.count if const_expr(self.persistent) else m_block
-        if const_expr(self.varlen):
-            if m_block == q_tail:  # the sequence ends inside this block
-                pipe_q.consumer_wait(st)  # the waits below then pass at once
-                pipe_do.consumer_wait(st)
-                self.zero_tail_rows((sQ[None, None, s], sdO[None, None, s]), q_tail_rows,
-                                    cute.arch.thread_idx()[0] - WG_THREADS)
-        pipe_q.consumer_wait(st)
-        gemm(mma_sdp, tSrS, tSrK, tSrQ[None, None, None, s], zero_init=True, wait_group=-1)
-        pipe_do.consumer_wait(st)
-        gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s], zero_init=True,
-             wait_group=-1)
-        if const_expr(masked):
-            warpgroup.wait_group(0)  # the few diagonal/ragged blocks: no mask over live wgmma
-            apply_mask_key_major(tSrS, tScS, t0ScS, n_block, m_block, tn, tm, seqlen_q,
-                                 seqlen_k, self.causal)
-        else:
-            warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
-
-        # P^T = exp2(S^T * scale_log2 - LSE_log2[query]); a column of S^T is one query.
+        self.issue_s_dp(m_block, st, st, masked, mma_sdp, tSrS, tdPrdP, tSrK, tSrQ, tdPrV,
+                        tdPrdO, tScS, t0ScS, sQ, sdO, pipe_q, pipe_do, n_block, seqlen_q,
+                        seqlen_k, q_tail, q_tail_rows)
+        self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2)
         s_mn = acc_as_mn(tSrS)
-        dp_mn = acc_as_mn(tdPrdP)
-        c0_mn = acc_as_mn(t0ScS)
-        col0 = acc_as_mn(tScS)[0, 0][1]
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            lse = sLSE[col0 + c0_mn[0, c][1], s]
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
         if const_expr(not self.ds_from_p16):
             tdVrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
         else:
@@ -701,11 +733,7 @@ class FlashBwdSm90:
         gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
 
-        # dS^T = P^T o (dP^T - D[query]), unscaled (bwd_post / the epilogue apply the scale).
-        for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-            dsum = sD[col0 + c0_mn[0, c][1], s]
-            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                dp_mn[r, c] = s_mn[r, c].to(Float32) * (dp_mn[r, c] - dsum)
+        self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s)
         rdS.store(tdPrdP.load().to(self.dtype))
         tdKrdS.store(acc_as_operand_a(rdS).load())
 

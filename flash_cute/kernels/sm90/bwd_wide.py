@@ -102,7 +102,6 @@ from cutlass.cute.nvgpu import warp, warpgroup
 
 from ...config import BwdSm90Config
 from ..common.layout import acc_as_mn, transpose_mn
-from ..common.mask import apply_mask_key_major
 from .bwd import DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, FlashBwdSm90, KeyTile
 from .pipelines import bulk_reduce_add_f32, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -254,38 +253,15 @@ class FlashBwdWideSm90(FlashBwdSm90):
         the Q/dO consumer state, or (Q state, dO state) with cfg.do_stages."""
         (tSrS, tdPrdP, rP, rdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO,
          tdKrdS, tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, thr_store, tPsPdS, tScS, t0ScS) = frags
-        tm = self.tile_m
         split = const_expr(self.cfg.do_stages != 0)
         st_q = st[0] if split else st
         st_do = st[1] if split else st
         s, s_do = st_q.index, st_do.index
-        if const_expr(self.varlen):
-            if m_block == q_tail:  # the sequence ends inside this block
-                pipe_q.consumer_wait(st_q)  # the waits below then pass at once
-                pipe_do.consumer_wait(st_do)
-                self.zero_tail_rows((sQ[None, None, s], sdO[None, None, s_do]), q_tail_rows,
-                                    cute.arch.thread_idx()[0] - WG_THREADS)
-        pipe_q.consumer_wait(st_q)
-        gemm(mma_sdp, tSrS, tSrK, tSrQ[None, None, None, s], zero_init=True, wait_group=-1)
-        pipe_do.consumer_wait(st_do)
-        gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s_do], zero_init=True,
-             wait_group=-1)
-        if const_expr(masked):
-            warpgroup.wait_group(0)  # the few diagonal/ragged blocks: no mask over live wgmma
-            apply_mask_key_major(tSrS, tScS, t0ScS, n_block, m_block, KEYS, tm, seqlen_q,
-                                 seqlen_k, self.causal)
-        else:
-            warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
-
-        # P^T = exp2(S^T * scale_log2 - LSE_log2[query]) on this warpgroup's query columns.
-        s_mn = acc_as_mn(tSrS)
-        dp_mn = acc_as_mn(tdPrdP)
-        c0_mn = acc_as_mn(t0ScS)
-        col0 = acc_as_mn(tScS)[0, 0][1]
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            lse = sLSE[col0 + c0_mn[0, c][1], s]
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+        self.issue_s_dp(m_block, st_q, st_do, masked, mma_sdp, tSrS, tdPrdP, tSrK, tSrQ, tdPrV,
+                        tdPrdO, tScS, t0ScS, sQ, sdO, pipe_q, pipe_do, n_block, seqlen_q,
+                        seqlen_k, q_tail, q_tail_rows)
+        # P^T on this warpgroup's query columns.
+        self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2)
         rP.store(tSrS.load().to(self.dtype))
         cute.copy(thr_store, thr_store.retile(rP), tPsPdS[None, None, None, P_BUF])
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
@@ -293,11 +269,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
         gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s_do], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
 
-        # dS^T = P^T o (dP^T - D[query]), unscaled (bwd_post / the epilogue apply the scale).
-        for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-            dsum = sD[col0 + c0_mn[0, c][1], s_do]
-            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                dp_mn[r, c] = s_mn[r, c] * (dp_mn[r, c] - dsum)
+        self.ds_from_dp(tdPrdP, acc_as_mn(tSrS), tScS, t0ScS, sD, s_do)  # D rides with dO
         rdS.store(tdPrdP.load().to(self.dtype))
         cute.copy(thr_store, thr_store.retile(rdS), tPsPdS[None, None, None, DS_BUF])
         cute.arch.fence_proxy("async.shared", space="cta")
