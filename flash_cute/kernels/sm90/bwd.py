@@ -475,15 +475,16 @@ class FlashBwdSm90:
         self.each_tile(tiles, body, (kv, st))
 
     @cute.jit
-    def load_tile(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                  mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-                  sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
-                  tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                  tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
-                  pipe_q, pipe_do, tile: KeyTile, states):
-        """One tile's loads; returns the advanced (kv, q/dO) producer states."""
+    def load_kv(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+                sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
+                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
+                tile: KeyTile, kv):
+        """A tile's K and V load into ``kv`` (not advanced), and the (global, shared) TMA
+        partitions of its per-query-block loads: Q, LSE_log2, dO, D, indexed [None, m_block]
+        and [None, stage]."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
-        kv, st = states
         n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seq.q_rows(mQ, head, batch), (tm, d), (None, 0))
@@ -503,19 +504,40 @@ class FlashBwdSm90:
         pipe_kv.producer_acquire(kv)
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
         cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        return (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD)
+
+    @cute.jit
+    def load_tile(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                  mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
+                  sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
+                  tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+                  tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
+                  pipe_q, pipe_do, tile: KeyTile, states):
+        """One tile's loads; returns the advanced (kv, q/dO) producer states."""
+        kv, st = states
+        tQ, tL, tdO, tD = self.load_kv(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
+                                       tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv,
+                                       tile, kv)
+        (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
         kv.advance()
         for m_block in cutlass.range(tile.m_begin, tile.m_end, unroll=1):
             pipe_q.producer_acquire(st)
             bar_q = pipe_q.producer_get_barrier(st)
             cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, st.index], tma_bar_ptr=bar_q)
             cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, st.index], tma_bar_ptr=bar_q)
-            pipe_do.producer_acquire(st)
-            bar_do = pipe_do.producer_get_barrier(st)
-            cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, st.index], tma_bar_ptr=bar_do)
-            cute.copy(tma_d, tDgD[None, m_block], tDsD[None, st.index], tma_bar_ptr=bar_do)
+            self.load_do(tma_do, tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st, m_block)
             st.advance()
         return kv, st
 
+    @cute.jit
+    def load_do(self, tma_do: cute.CopyAtom, tma_d: cute.CopyAtom, tdOgdO: cute.Tensor,
+                tdOsdO: cute.Tensor, tDgD: cute.Tensor, tDsD: cute.Tensor, pipe_do, st_do,
+                m_block: Int32):
+        """dO[m] + D[m] into the dO stage of ``st_do`` (not advanced)."""
+        pipe_do.producer_acquire(st_do)
+        bar_do = pipe_do.producer_get_barrier(st_do)
+        cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, st_do.index], tma_bar_ptr=bar_do)
+        cute.copy(tma_d, tDgD[None, m_block], tDsD[None, st_do.index], tma_bar_ptr=bar_do)
     @cute.jit
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
             mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,

@@ -103,7 +103,7 @@ from cutlass.cute.nvgpu import warp, warpgroup
 from ...config import BwdSm90Config
 from ..common.layout import acc_as_mn, transpose_mn
 from .bwd import DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, FlashBwdSm90, KeyTile
-from .pipelines import bulk_reduce_add_f32, tma_split
+from .pipelines import bulk_reduce_add_f32
 from .wgmma import gemm, make_smem_layout
 
 KEYS = 64                        # the key block both warpgroups share: one wgmma M
@@ -406,30 +406,16 @@ class FlashBwdWideSm90(FlashBwdSm90):
                               tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do,
                               tiles)
         else:
-            tm, tn, d = self.tile_m, self.tile_n, self.d
             tile = tiles  # one tile per CTA (no persistent wide kernel)
-            n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
-            head_kv = head // (mQ.shape[2] // mK.shape[2])
-            gQ = cute.local_tile(seq.q_rows(mQ, head, batch), (tm, d), (None, 0))
-            gdO = cute.local_tile(seq.q_rows(mdO, head, batch), (tm, d), (None, 0))
-            gK = cute.local_tile(seq.k_rows(mK, head_kv, batch), (tn, d), (n_block, 0))
-            gV = cute.local_tile(seq.k_rows(mV, head_kv, batch), (tn, d), (n_block, 0))
-            gLSE = cute.local_tile(seq.q_pad_rows(mLSE, head, batch), (tm,), (None,))
-            gD = cute.local_tile(seq.q_pad_rows(mD, head, batch), (tm,), (None,))
-            tQsQ, tQgQ = tma_split(tma_q, sQ, gQ)
-            tdOsdO, tdOgdO = tma_split(tma_do, sdO, gdO)
-            tKsK, tKgK = tma_split(tma_k, sK, gK)
-            tVsV, tVgV = tma_split(tma_v, sV, gV)
-            tLsL, tLgL = tma_split(tma_lse, sLSE, gLSE, rank=1)
-            tDsD, tDgD = tma_split(tma_d, sD, gD, rank=1)
             kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             st_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.cfg.stages)
             st_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.cfg.do_stages)
-            pipe_kv.producer_acquire(kv)
-            cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
-            cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+            tQ, tL, tdO, tD = self.load_kv(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
+                                           tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d,
+                                           pipe_kv, tile, kv)
+            (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
             # Acquire in the order the stages free up: Q(m+1) waits for the end of block
             # m+1-stages, dO(m+1) for the dV of block m+1-do_stages, which comes first when
             # do_stages >= stages.
@@ -448,13 +434,3 @@ class FlashBwdWideSm90(FlashBwdSm90):
                                  m_block)
                 st_q.advance()
                 st_do.advance()
-
-    @cute.jit
-    def load_do(self, tma_do: cute.CopyAtom, tma_d: cute.CopyAtom, tdOgdO: cute.Tensor,
-                tdOsdO: cute.Tensor, tDgD: cute.Tensor, tDsD: cute.Tensor, pipe_do, st_do,
-                m_block: Int32):
-        """dO[m] + D[m] into the dO stage of ``st_do`` (not advanced)."""
-        pipe_do.producer_acquire(st_do)
-        bar_do = pipe_do.producer_get_barrier(st_do)
-        cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, st_do.index], tma_bar_ptr=bar_do)
-        cute.copy(tma_d, tDgD[None, m_block], tDsD[None, st_do.index], tma_bar_ptr=bar_do)
