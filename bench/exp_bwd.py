@@ -7,6 +7,8 @@
 A variant is a BwdSm90Config override of the main kernel (or deterministic=True), passed to
 backward.bwd as cfg_overrides: preprocess, postprocess and the host allocations follow its
 tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m").
+"tm80" (d=128 non-causal only, FA3/FA4's tile): tile_m = 80, the dQ tile computed transposed
+(dq_split "t": dQ^T = K^T dS^T); compiled, not yet run on a GPU.
 "persistent" (BwdSm90Config.persistent) launches min(tiles, SMs) CTAs looping over key-block
 tiles. "dq_first" (BwdSm90Config.dq_first) issues dQ before dK and stores the dQ tile under
 dK (docs/bwd_vs_fa4.md, P1; measured +2-4% at d=128, where it ships, -2..-10% at d=64; d=96
@@ -39,6 +41,7 @@ VARIANTS = {
     "dq_first": {"dq_first": True},
     "dq_first_persistent": {"dq_first": True, "persistent": True},
     "tm128": {"tile_m": 128, "dq_split": "m"},
+    "tm80": {"tile_m": 80, "dq_split": "t"},
     "wide_old": {"stages": 1, "do_stages": 0, "dq_per_turn": False},
     "wide_early_do": {"stages": 1, "do_stages": 1, "dq_per_turn": False},
     "wide_turns": {"stages": 1, "do_stages": 0, "dq_per_turn": True},
@@ -90,8 +93,8 @@ for d, s, causal in SHAPES:
         det, pers = kw.get("deterministic", False), kw.get("persistent", False)
         ov = {f: x for f, x in kw.items() if f not in ("deterministic", "persistent")}
         try:
-            backward.bwd_config(d, ov)
-        except ValueError as e:  # a config field this head dim does not support (dq_first)
+            backward.bwd_config(d, ov, causal)
+        except ValueError as e:  # a config this head dim / causality does not take
             print(f"d={d} causal={int(causal)} {name}: skipped ({e})", flush=True)
             continue
         try:

@@ -47,7 +47,8 @@ current stream.
 
 Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with
 sq_pad = sq rounded up to tile_m (64; 128 with the opt-in {"tile_m": 128, "dq_split": "m"}
-at d=64) (varlen: (h, rows, ...) with rows = (total_q // tile_m + b) * tile_m);
+at d=64; 80 with {"tile_m": 80, "dq_split": "t"} at d=128 non-causal, whose dQaccum rows are
+unpadded: cfg.dq_row) (varlen: (h, rows, ...) with rows = (total_q // tile_m + b) * tile_m);
 with GQA also fp32 dK, dV per query head (b, sk, h, d) (varlen: (total_k, h, d)).
 """
 from __future__ import annotations
@@ -60,7 +61,7 @@ import threading
 
 import torch
 
-from .config import (BWD_SUPPORTED_HEAD_DIMS, BWD_WIDE_HEAD_DIMS, BwdSm90Config,
+from .config import (BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_WIDE_HEAD_DIMS, BwdSm90Config,
                      heads_per_section)
 from .dispatch import compile_kernel
 from .kernels.common.seqlen import pad_offset
@@ -208,7 +209,9 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
     # The main kernel's query tile (its padding unit); None: the shipped config's.
     cfg = BwdSm90Config.for_head_dim(d)
     if tile_m is not None and tile_m != cfg.tile_m:
-        cfg = dataclasses.replace(cfg, tile_m=tile_m, dq_split="m")
+        # tile_m 128 splits the dQ tile along its rows, 80 transposes it (config.py).
+        cfg = dataclasses.replace(cfg, tile_m=tile_m,
+                                  dq_split="t" if tile_m == BWD_TILE_M80 else "m")
     b, sq, h = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if varlen:
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq),
@@ -297,11 +300,16 @@ def _get(key, build):
         return _cache[key]
 
 
-def bwd_config(d: int, cfg_overrides=None) -> BwdSm90Config:
+def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:
     """The main kernel's config: the shipped one for head dim d, with ``cfg_overrides``
-    (BwdSm90Config fields, experiments: e.g. {"tile_m": 128, "dq_split": "m"})."""
+    (BwdSm90Config fields, experiments: e.g. {"tile_m": 128, "dq_split": "m"}). ValueError
+    for an invalid one (``causal`` given: also one the causal / non-causal kernel does not
+    take, BwdSm90Config.check_causal)."""
     cfg = BwdSm90Config.for_head_dim(d)
-    return dataclasses.replace(cfg, **cfg_overrides) if cfg_overrides else cfg
+    cfg = dataclasses.replace(cfg, **cfg_overrides) if cfg_overrides else cfg
+    if causal is not None:
+        cfg.check_causal(bool(causal))
+    return cfg
 
 
 def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
@@ -411,7 +419,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if dk.numel() == 0:
         return dq.zero_(), dk, dv
     _require_runnable(d, q.device)
-    cfg = bwd_config(d, cfg_overrides)
+    cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)
     pre, main, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
@@ -470,7 +478,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if seqused_k is not None:  # the kernel writes no key row past seqused_k
         dk.zero_(), dv.zero_()
     _require_runnable(d, q.device)
-    cfg = bwd_config(d, cfg_overrides)
+    cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,

@@ -129,6 +129,12 @@ BWD_MMA_WG = 2
 # tile_m = 128 doubles S^T / dP^T (64 fp32 registers each per thread): with dK + dV
 # (2 * 64 * d / 128) that fits the 240 registers only at d = 64.
 BWD_TILE_M128_HEAD_DIMS = (64,)
+# tile_m = 80 (opt-in, FA3/FA4's non-causal d=128 tile): S^T / dP^T wgmma with N = 80, 25% more
+# work per block's fixed costs than 64. 80 rows are not a multiple of the wgmma M (64), so the
+# dQ tile is computed transposed (dq_split="t": dQ^T = K^T dS^T, M = d split over the two
+# warpgroups, N = 80 queries). Causal keeps 64 (as FA3/FA4 do).
+BWD_TILE_M80 = 80
+BWD_TILE_M80_HEAD_DIMS = (128,)
 
 
 @dataclass(frozen=True)
@@ -152,7 +158,9 @@ class BwdSm90Config:
     # How the two mma warpgroups share the dQ tile (dS K over all 128 keys) of a query block:
     # "n", split along d (d % 128 == 0: whole swizzle atoms of K^T); "alt", all of it by one
     # warpgroup, alternating per query block; "m", split along the queries, 64 rows each
-    # (tile_m = 128 only: the dQ tile is then 128 x d). (Per-warpgroup tiles over its own 64 keys, two
+    # (tile_m = 128 only: the dQ tile is then 128 x d); "t", transposed: dQ^T = K^T dS^T with
+    # d split (64 rows of dQ^T per warpgroup), N = the queries (tile_m = 80 only, d = 128,
+    # non-causal). (Per-warpgroup tiles over its own 64 keys, two
     # reductions per block, measured 21-29% slower; docs/performance.md bwd v3/v4.)
     dq_split: str = "alt"
     # Opt-in: min(tiles, SMs) CTAs, each looping over key-block tiles in
@@ -181,7 +189,15 @@ class BwdSm90Config:
     @property
     def dq_row(self) -> int:
         """Row stride (fp32 elements) of dQaccum in global memory."""
-        return self.head_dim + DQ_ROW_PAD
+        return self.head_dim + self.dq_row_pad
+
+    @property
+    def dq_row_pad(self) -> int:
+        """fp32 padding per dQ row (dQaccum and sdQ). tile_m = 80: none. Its shared memory
+        (sK, sV 32 KB each, sQ, sdO, 2 x sdS 40 KB each, sdQ 40 KB, LSE/D) fills 226 KB of the
+        227 KB with unpadded rows (padded: 42.5 KB, over); its dQ^T stores are scalar and
+        transposed anyway, the pad's conflict-free 8-byte row stores do not apply."""
+        return 0 if self.dq_split == "t" else DQ_ROW_PAD
 
     @property
     def num_do_stages(self) -> int:
@@ -219,19 +235,29 @@ class BwdSm90Config:
                              dq_split="n" if d % 128 == 0 else "alt", dq_first=d == 128)
 
     def __post_init__(self):
-        if self.dq_split not in ("n", "alt", "m"):
-            raise ValueError(f"dq_split must be 'n', 'alt' or 'm', got {self.dq_split!r}")
+        if self.dq_split not in ("n", "alt", "m", "t"):
+            raise ValueError(f"dq_split must be 'n', 'alt', 'm' or 't', got {self.dq_split!r}")
+        if (self.dq_split == "t") != (self.tile_m == BWD_TILE_M80) and not self.wide:
+            raise ValueError(f"tile_m={BWD_TILE_M80} goes with dq_split='t' (the transposed dQ "
+                             f"tile) and only with it; got tile_m {self.tile_m}, dq_split "
+                             f"{self.dq_split!r}")
+        if self.dq_split == "t" and (self.wide or
+                                     self.head_dim not in BWD_TILE_M80_HEAD_DIMS):
+            raise ValueError(f"dq_split='t' (tile_m {BWD_TILE_M80}): narrow kernel at head_dim in "
+                             f"{BWD_TILE_M80_HEAD_DIMS} only, got head_dim {self.head_dim}, "
+                             f"wide {self.wide}")
         if self.dq_split == "m" and (self.wide or self.tile_m != 64 * BWD_MMA_WG):
             raise ValueError(f"dq_split='m' needs tile_m == {64 * BWD_MMA_WG} (64 query rows "
                              f"per mma warpgroup) and the narrow kernel, got tile_m "
                              f"{self.tile_m}, wide {self.wide}")
-        if not self.wide and self.tile_m != 64:
+        if not self.wide and self.tile_m not in (64, BWD_TILE_M80):
             # tile_m 128: a dQ tile of 128 rows fits the registers only split along the rows.
             if self.tile_m != 64 * BWD_MMA_WG or self.dq_split != "m" or \
                     self.head_dim not in BWD_TILE_M128_HEAD_DIMS:
-                raise ValueError(f"tile_m={self.tile_m}: the narrow backward takes 64, or "
+                raise ValueError(f"tile_m={self.tile_m}: the narrow backward takes 64, "
                                  f"{64 * BWD_MMA_WG} with dq_split='m' at head_dim in "
-                                 f"{BWD_TILE_M128_HEAD_DIMS}; got dq_split {self.dq_split!r}, "
+                                 f"{BWD_TILE_M128_HEAD_DIMS}, or {BWD_TILE_M80} with "
+                                 f"dq_split='t'; got dq_split {self.dq_split!r}, "
                                  f"head_dim {self.head_dim}")
         if self.dq_split == "n" and self.head_dim % 128 != 0 and not self.wide:
             raise ValueError(f"dq_split='n' needs head_dim % 128 == 0, got {self.head_dim}")
@@ -248,5 +274,12 @@ class BwdSm90Config:
     def dq_cols_per_wg(self) -> int:
         """Columns of dQ one warpgroup accumulates in registers at once ("alt": a warpgroup
         does all of d; counted whole, since dq_first has no chunk loop; "m": all of d over
-        half the rows)."""
-        return self.head_dim // 2 if self.dq_split == "n" else self.head_dim
+        half the rows; "t": half of d, over tile_m = 80 queries)."""
+        return self.head_dim // 2 if self.dq_split in ("n", "t") else self.head_dim
+
+    def check_causal(self, causal: bool):
+        """ValueError for a config the causal kernel does not take: tile_m = 80 is non-causal
+        only (FA3/FA4 use 64 for causal d=128)."""
+        if causal and self.tile_m == BWD_TILE_M80 and not self.wide:
+            raise ValueError(f"tile_m={BWD_TILE_M80} (dq_split='t') is non-causal only; causal "
+                             f"uses tile_m 64")

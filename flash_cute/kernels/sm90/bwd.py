@@ -106,6 +106,21 @@ tile_m = 128 (opt-in, d=64, ``dq_split="m"``: each mma warpgroup owns 64 query r
 ~198 KB. dS^T is then computed from the 16-bit P^T (``ds_from_p16``). STATUS: ptxas reports
 ~32 bytes of spill (no C7512); checked on the H200 and 11-20% slower than tile_m = 64.
 
+tile_m = 80 (opt-in, d=128 non-causal, ``dq_split="t"``; FA3/FA4's tile there, causal keeps
+64): S^T / dP^T wgmma with N = 80, 25% more work per block's fixed costs; dV / dK have K = 80
+(5 k-blocks). 80 rows are not a multiple of the wgmma M, so the dQ tile is computed transposed,
+dQ^T = K^T dS^T (M = d, 64 per warpgroup; N = 80 queries; K = 128 keys; A = K^T and B = dS^T
+both MN-major from sK / sdS), and each thread stores its dQ^T accumulator transposed into sdQ's
+(query, d) rows, so the dQ warp's bulk reduce is unchanged (4-byte scalar stores, 4-way bank
+conflicts: a first thing to look at if it measures well). sdS rows are 80 wide (160 bytes):
+make_smem_layout picks the 32-byte swizzle (16 elements), fine for stmatrix and as the
+MN-major B. Shared memory: sK, sV 32 KB each, sQ, sdO 2 x 20 KB each, sdS 2 x 20 KB, sdQ 40 KB
+with no row padding (cfg.dq_row_pad = 0: padded rows would not fit), LSE / D stages padded to
+128 bytes (TMA destinations): 226 KB. dS^T from the 16-bit P^T (``ds_from_p16``; with fp32
+P^T ptxas serialized the wgmma, C7512). STATUS: compiles; ptxas -v: no C7512 / C7514, 168
+registers, 28 bytes of scalar spill stores (bf16 batched; up to ~48 for persistent / varlen
+GQA, none for fp16 varlen GQA deterministic); not yet run on a GPU.
+
 Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
 (total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (sequence b
 from ``pad_offset``, whole tiles that never overlap the next sequence's). The grid covers
@@ -145,7 +160,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ...config import DQ_ROW_PAD, BwdSm90Config
+from ...config import BwdSm90Config
 from ..common import block_info, scheduler
 from ..common.layout import acc_as_mn, acc_as_operand_a, row_copy, select_modes, transpose_mn
 from ..common.mask import apply_mask_key_major
@@ -224,11 +239,13 @@ class FlashBwdSm90:
             raise ValueError(f"tile_n must be {KEYS_PER_WG * NUM_MMA_WG}, got {self.tile_n}")
         if self.d % cfg.dq_chunk != 0:
             raise ValueError(f"dq_chunk {cfg.dq_chunk} must divide head_dim {self.d}")
+        cfg.check_causal(causal)
         self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
         # tile_m 128: S^T and dP^T take 64 fp32 registers each per thread; with dK + dV (64),
         # fp32 S^T kept for dS^T and its 16-bit copy for dV (32) ptxas serialized the wgmma
         # (C7512; computing dS^T before issuing dV spilled). So dS^T = P^T o (dP^T - D) reads
-        # the 16-bit P^T that dV uses (dS^T is rounded to 16 bits next anyway).
+        # the 16-bit P^T that dV uses (dS^T is rounded to 16 bits next anyway). tile_m 80
+        # too: with fp32 S^T kept, 96 bytes of spill and C7512.
         self.ds_from_p16 = self.tile_m > KEYS_PER_WG
 
     # ------------------------------------------------------------------------------ host
@@ -268,11 +285,14 @@ class FlashBwdSm90:
         dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.stages
         mma_sdp, mma_dkv, mma_dq = self.make_mmas()
         sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout = self.smem_layouts()
-        sLSE_layout = cute.make_layout((tm, stages))
+        # LSE / D stages start 128 bytes apart (TMA destinations): tile_m = 80 pads each.
+        lse_stage = -(-tm // 32) * 32
+        sLSE_layout = cute.make_layout((tm, stages), stride=(1, lse_stage))
         # The fp32 dQ tile (wide per-turn: part of it), rows padded like dQaccum's (the bulk
         # reduce copies it 1-D).
         sdq_cols = self.cfg.sdq_cols
-        sdQ_layout = cute.make_layout((tm, sdq_cols), stride=(sdq_cols + DQ_ROW_PAD, 1))
+        sdQ_layout = cute.make_layout((tm, sdq_cols),
+                                      stride=(sdq_cols + self.cfg.dq_row_pad, 1))
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
@@ -295,8 +315,8 @@ class FlashBwdSm90:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * stages], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, tm * stages], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, lse_stage * stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, lse_stage * stages], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], SMEM_ALIGN]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)],
                                    SMEM_ALIGN]
@@ -335,8 +355,15 @@ class FlashBwdSm90:
             tiler_mn=(KEYS_PER_WG, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ = dS K over all tile_n keys, A = sdS^T (queries contiguous), B = K^T (d
         # contiguous). "n": the warpgroups split d; "m" (tile_m = 128): they split the
-        # queries, 64 rows (one wgmma M) each; "alt": one warpgroup, d in chunks.
-        if const_expr(self.cfg.dq_split == "n"):
+        # queries, 64 rows (one wgmma M) each; "alt": one warpgroup, d in chunks; "t"
+        # (tile_m = 80, not a multiple of the wgmma M): dQ^T = K^T dS^T, M = d split over the
+        # warpgroups (64 each), N = tile_m queries, A = K^T (d contiguous), B = dS^T (queries
+        # contiguous).
+        if const_expr(self.cfg.dq_split == "t"):
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
+                tiler_mn=(d // NUM_MMA_WG, tm))
+        elif const_expr(self.cfg.dq_split == "n"):
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, NUM_MMA_WG, 1),
                 tiler_mn=(tm, d // NUM_MMA_WG))
@@ -574,6 +601,16 @@ class FlashBwdSm90:
             tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
             tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ, (tm, chunk), (0, c)))
                       for c in range(d // chunk)]
+        elif const_expr(self.cfg.dq_split == "t"):
+            # This warpgroup's 64 rows (of d) of dQ^T = K^T dS^T over all tile_n keys; the
+            # accumulator (d, queries) is stored transposed into sdQ's (query, d) rows, so the
+            # dQ warp's bulk reduce is unchanged. tdQrK is K^T (the A operand here, passed
+            # first by dq_operands).
+            thr_dq = mma_dq.get_slice(tidx)
+            tdQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sdS)))
+            tdQrK = [mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sK)))]
+            tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((d, tm)), Float32)
+            tdQsdQ = [thr_dq.partition_C(transpose_mn(sdQ))]
         else:
             # This warpgroup's half of the dQ tile ("n": of d, "m": of the query rows) = dS K
             # over all tile_n keys, one wgmma group; the tiled MMA's thread layout picks the
@@ -777,7 +814,8 @@ class FlashBwdSm90:
             cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
             if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
                 for c in cutlass.range_constexpr(len(tdQrK)):
-                    gemm(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK[c],
+                    gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS[None, None, None, buf],
+                                                           tdQrK[c]),
                          zero_init=True, wait_group=0)
                     cute.autovec_copy(tdQrdQ, tdQsdQ[c])
             else:
@@ -804,7 +842,8 @@ class FlashBwdSm90:
         # reads in two branches ("alt"), ptxas sees accumulators read while their wgmma may
         # still run and serializes (C7514).
         if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
-            gemm(mma_dq, tdQrdQ, tdQrdS, tdQrK[0], zero_init=True, wait_group=-1)
+            gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[0]), zero_init=True,
+                 wait_group=-1)
             gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ, zero_init=False, wait_group=-1)
             # sdQ is free once the dQ warp's bulk reduce of the previous block has read it;
             # the wait now overlaps both GEMMs.
@@ -817,6 +856,10 @@ class FlashBwdSm90:
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
         cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
         warpgroup.wait_group(0)  # dK (reads sQ) done before the stage goes back
+
+    def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
+        """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""
+        return (rK, rdS) if const_expr(self.cfg.dq_split == "t") else (rdS, rK)
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
@@ -850,7 +893,7 @@ class FlashBwdSm90:
         n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
         m_begin, m_end = tile.m_begin, tile.m_end
         # A tile is tm padded rows; the last row's padding may lie past the allocation.
-        tile_bytes = (tm * self.cfg.dq_row - DQ_ROW_PAD) * 4
+        tile_bytes = (tm * self.cfg.dq_row - self.cfg.dq_row_pad) * 4
         if const_expr(not self.persistent):
             if m_begin < m_end:
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
