@@ -124,8 +124,9 @@ def test_bwd_pre_post_compile(kernel, dtype, d, varlen, tmp_path, monkeypatch):
     assert ops.get("LDG", 0) > 0 and ops.get("STG", 0) > 0
 
 
-def check_ptxas(ptx_text, tmp_path):
-    """ptxas itself: no spills and no C7512 / C7514 (wgmma serialized)."""
+def check_ptxas(ptx_text, tmp_path, spill_free=True):
+    """ptxas itself: no C7512 / C7514 (wgmma serialized) and, unless told otherwise, no spills.
+    Returns ptxas's report."""
     ptxas = "/usr/local/bin/ptxas"
     if not os.path.exists(ptxas):
         pytest.skip("ptxas not installed")
@@ -135,7 +136,9 @@ def check_ptxas(ptx_text, tmp_path):
                          capture_output=True, text=True, check=True)
     report = res.stdout + res.stderr
     assert "C7512" not in report and "C7514" not in report, report  # wgmma serialized
-    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    if spill_free:
+        assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    return report
 
 
 @pytest.mark.parametrize("d,causal,gqa,varlen,persistent,dq_first", [
@@ -395,8 +398,8 @@ def test_tile_m128_config():
     ("BFloat16", False, False, False, False), ("Float16", True, True, True, True)])
 def test_bwd_main_tile_m128_compiles(dtype, causal, gqa, deterministic, varlen, tmp_path,
                                      monkeypatch):
-    """tile_m 128 (opt-in) compiles with its pre / post. Not yet ptxas-clean: ~32 bytes of
-    spill (see bwd.py ds_from_p16), so no spill assertion here."""
+    """tile_m 128 (opt-in) compiles with its pre / post. Not ptxas-clean in every variant
+    (see bwd.py, tile_m = 128), so no spill assertion here; see the ptxas test below."""
     monkeypatch.chdir(tmp_path)
     ov = {"tile_m": 128, "dq_split": "m"}
     ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, 64, causal, gqa, deterministic,
@@ -419,17 +422,6 @@ def test_tile_m80_config():
         backward.bwd_config(128, {"tile_m": 80, "dq_split": "t"}, causal=True)
 
 
-def ptxas_report(ptx_text, tmp_path):
-    ptxas = "/usr/local/bin/ptxas"
-    if not os.path.exists(ptxas):
-        pytest.skip("ptxas not installed")
-    ptx = tmp_path / "k.ptx"
-    ptx.write_text(ptx_text)
-    res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.o")],
-                         capture_output=True, text=True, check=True)
-    return res.stdout + res.stderr
-
-
 @pytest.mark.parametrize("dtype,gqa,deterministic,varlen,persistent", [
     ("BFloat16", False, False, False, False), ("Float16", True, True, True, False),
     ("BFloat16", True, False, True, True)])
@@ -444,10 +436,25 @@ def test_bwd_main_tile_m80_compiles(dtype, gqa, deterministic, varlen, persisten
     ptx = backward.bwd_ptx(ARCH, dtype, 128, False, gqa, deterministic, varlen=varlen,
                            persistent=persistent, **ov)
     assert "m64n80k16" in ptx
-    report = ptxas_report(ptx, tmp_path)
-    assert "C7512" not in report and "C7514" not in report, report
+    check_ptxas(ptx, tmp_path, spill_free=False)
     ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, 128, False, gqa, deterministic,
                                           varlen=varlen, persistent=persistent, **ov), tmp_path)
     assert ops["HGMMA"] > 0 and ops.get("UBLKRED", 0) > 0
     for kernel in ("pre", "post"):
         backward.bwd_cubin(ARCH, dtype, 128, kernel=kernel, varlen=varlen, tile_m=80)
+
+
+@pytest.mark.parametrize("dtype,causal,gqa,deterministic,varlen,extra", [
+    ("BFloat16", False, False, False, False, ""), ("BFloat16", True, False, False, False, ""),
+    ("BFloat16", True, False, False, True, ""), ("Float16", True, True, True, True, ""),
+    ("BFloat16", False, False, True, False, ""),
+    ("BFloat16", True, False, False, False, "persistent"),
+    ("BFloat16", False, False, False, False, "dq_first")], ids=lambda v: str(v))
+def test_bwd_tile_m128_ptxas_report(dtype, causal, gqa, deterministic, varlen, extra, tmp_path,
+                                    monkeypatch):
+    """tile_m 128 with remat_tid: no spills, not serialized (bf16 non-causal GQA deterministic
+    varlen still spills, see bwd.py, so it is not listed)."""
+    monkeypatch.chdir(tmp_path)
+    check_ptxas(backward.bwd_ptx(ARCH, dtype, 64, causal, gqa, deterministic, varlen=varlen,
+                                 tile_m=128, dq_split="m", **({extra: True} if extra else {})),
+                tmp_path)

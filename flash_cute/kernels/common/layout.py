@@ -86,6 +86,17 @@ def row_copy(dtype, rows: int, cols: int, num_threads: int):
 
 
 @dsl_user_op
+def opaque_thread_idx(*, loc=None, ip=None) -> Int32:
+    """threadIdx.x through an inline ``mov`` with side effects: unlike cute.arch.thread_idx
+    (a pure read), it is neither hoisted out of a loop nor merged with other reads, so
+    addresses derived from it are recomputed where written instead of held live in
+    registers across the loop."""
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
 def cvt_pair(lo: Float32, hi: Float32, to_dtype, *, loc=None, ip=None) -> Int32:
     """Two fp32 -> one register of two 16-bit values (lo in the low half), in one packed cvt.
 

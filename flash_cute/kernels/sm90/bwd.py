@@ -103,8 +103,17 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
 
 tile_m = 128 (opt-in, d=64, ``dq_split="m"``: each mma warpgroup owns 64 query rows of the
 128 x d dQ tile): sQ, sdO 32 KB each, sK, sV 16 KB each, sdS 2 x 32 KB, sdQ 36 KB, LSE/D 2 KB:
-~198 KB. dS^T is then computed from the 16-bit P^T (``ds_from_p16``). STATUS: ptxas reports
-~32 bytes of spill (no C7512); checked on the H200 and 11-20% slower than tile_m = 64.
+~198 KB. dS^T is then computed from the 16-bit P^T (``ds_from_p16``). STATUS: checked on the
+H200 and 11-20% slower than tile_m = 64, when ptxas reported 28-40 bytes of spill stores (bf16
+only; fp16 was clean, no C7512). The spilled values were thread-index-derived addresses held
+across the query-block loop (the 4 stmatrix addresses into sdS, the LSE/D column, the
+epilogue's coordinates). ``remat_tid``: those are rebuilt per query block / after the loop
+from an opaque ``mov %tid.x`` (layout.opaque_thread_idx): sdS stmatrix alone -> 0 spill for
+bf16 causal / non-causal / deterministic, 24 B for bf16 causal varlen; + S^T coordinates and
+the epilogue -> 0 for every variant tried except bf16 non-causal GQA deterministic varlen
+(56 B stores / 84 B loads, was 52 / 96). Also rebuilding the sdQ partition made it 0 but
+spilled others (bf16 causal varlen 48 B at the step's start, 32-44 B on most bf16 variants
+placed just before the dQ store): not kept. Not yet re-timed on the GPU.
 
 tile_m = 80 (opt-in, d=128 non-causal, ``dq_split="t"``; FA3/FA4's tile there, causal keeps
 64): S^T / dP^T wgmma with N = 80, 25% more work per block's fixed costs; dV / dK have K = 80
@@ -162,7 +171,8 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...config import BwdSm90Config
 from ..common import block_info, scheduler
-from ..common.layout import acc_as_mn, acc_as_operand_a, row_copy, select_modes, transpose_mn
+from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row_copy,
+                             select_modes, transpose_mn)
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from .pipelines import bulk_reduce_add_f32, make_tma_pipelines, tma_split
@@ -221,6 +231,8 @@ class PersistentTiles:
 
 
 class FlashBwdSm90:
+    remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
+
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
                  deterministic: bool = False, varlen: bool = False):
         """``dkv_dtype``: element type of the dK / dV outputs (the input dtype, or Float32 for
@@ -247,6 +259,10 @@ class FlashBwdSm90:
         # the 16-bit P^T that dV uses (dS^T is rounded to 16 bits next anyway). tile_m 80
         # too: with fp32 S^T kept, 96 bytes of spill and C7512.
         self.ds_from_p16 = self.tile_m > KEYS_PER_WG
+        # tile_m 128: thread-index-derived shared-memory addresses are rebuilt inside each
+        # query block from an opaque thread index instead of held live across the loop (they
+        # spilled; see the module docstring).
+        self.remat_tid = self.tile_m > KEYS_PER_WG
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
@@ -626,6 +642,8 @@ class FlashBwdSm90:
                                          self.dtype)
         thr_store_dS = cute.make_tiled_copy_C(store_atom, mma_sdp).get_slice(tidx)
         tdSsdS = thr_store_dS.partition_D(sdS)
+        if const_expr(self.remat_tid):  # m_step slices and partitions per query block
+            thr_store_dS, tdSsdS = cute.make_tiled_copy_C(store_atom, mma_sdp), sdS
         rdS = cute.make_rmem_tensor_like(tdPrdP, self.dtype)
 
         # Coordinates of this thread's and thread 0's S^T elements (mask, LSE/D columns).
@@ -680,6 +698,8 @@ class FlashBwdSm90:
             # load warp may bring the next tile's K and V in under this epilogue.
             pipe_kv.consumer_release(kv)
         kv.advance()
+        if const_expr(self.remat_tid):
+            tidx = opaque_thread_idx() - WG_THREADS
         self.epilogue(mma_dkv, tdKrdK, tdVrdV, mdK, mdV, dk_scale, tidx, n_block, tile.head,
                       tile.batch, seq)
         return kv, st
@@ -773,6 +793,9 @@ class FlashBwdSm90:
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
          tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
         s = st.index
+        if const_expr(self.remat_tid):  # this thread's S^T coordinates (mask, LSE/D columns)
+            tScS = mma_sdp.get_slice(opaque_thread_idx() - WG_THREADS).partition_C(
+                cute.make_identity_tensor((self.tile_n, self.tile_m)))
         # The CTA's running query-block count: sdS buffers and "alt" dQ turns alternate
         # strictly, also across a tile boundary (m_block may restart at an equal parity).
         step = st.count if const_expr(self.persistent) else m_block
@@ -799,6 +822,9 @@ class FlashBwdSm90:
         # dS^T rows -> sdS buffer step % 2, then both warpgroups meet (the dQ wgmma reads all of
         # sdS); the buffer was last read by step-2's dQ, waited on before step-1's barrier.
         buf = step % 2
+        if const_expr(self.remat_tid):  # frags hold the tiled copy and sdS
+            thr_store_dS = thr_store_dS.get_slice(opaque_thread_idx() - WG_THREADS)
+            tdSsdS = thr_store_dS.partition_D(tdSsdS)
         cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS[None, None, None, buf])
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
         cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
