@@ -23,7 +23,6 @@ variants are timed interleaved over several rounds (median per variant), the who
 (pre + main + post) per call, so clock drift hits all alike. Shapes: (d, seqlen, causal) with
 b = 16384 / seqlen, h = 2048 / d (16k tokens, model width 2048).
 """
-import math
 import sys
 
 import torch

@@ -58,20 +58,18 @@ class FwdSm90Config:
 
 # Persistent forward: the config overrides per (head dim, causal) under which it compiles clean
 # (no spills, no wgmma serialized; docs/performance.md, "Persistent forward"), the shipped P
-# conversion wherever that is clean.
+# conversion wherever that is clean. The dynamic order (an atomic tile counter) adds a few
+# registers to the load warp only, so it runs with the same overrides.
 PACKED = {"packed_p_cvt": True}
 PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
                   (128, False): PACKED, (128, True): {}, (192, False): PACKED, (192, True): {},
                   (256, False): PACKED, (256, True): {}}
-# The dynamic order (an atomic tile counter) adds a few registers to the load warp only; the
-# consumers' code is the static walk's, so the same P conversion compiles clean.
-PERSISTENT_FWD_DYN = dict(PERSISTENT_FWD)
 
 
 def persistent_fwd_overrides(d: int, causal: bool, dynamic: bool = False):
     """FwdSm90Config overrides of the persistent forward (``dynamic``: its atomic-counter
     tile order), or None where it has none."""
-    extra = (PERSISTENT_FWD_DYN if dynamic else PERSISTENT_FWD).get((d, bool(causal)))
+    extra = PERSISTENT_FWD.get((d, bool(causal)))
     if extra is None:
         return None
     return {"persistent": True, **({"dynamic": True} if dynamic else {}), **extra}

@@ -11,7 +11,7 @@ import pytest
 from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_opcodes
 
 from flash_cute import dispatch
-from flash_cute.config import PERSISTENT_FWD, PERSISTENT_FWD_DYN, persistent_fwd_overrides
+from flash_cute.config import PERSISTENT_FWD, persistent_fwd_overrides
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,7 +29,7 @@ EXPERIMENTS = ([("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c 
                + [("BFloat16", d, c, persistent_fwd_overrides(d, c)) for d, c in PERSISTENT_FWD]
                # Its dynamic tile order (atomic tile counter: causal default).
                + [("BFloat16", d, c, persistent_fwd_overrides(d, c, dynamic=True))
-                  for d, c in PERSISTENT_FWD_DYN])
+                  for d, c in PERSISTENT_FWD])
 
 
 @functools.lru_cache(maxsize=None)

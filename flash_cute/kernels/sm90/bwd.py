@@ -230,6 +230,30 @@ class PersistentTiles:
                                                    self.num_hb, self.section, False))
 
 
+@dataclass(frozen=True)
+class LoadOperands:
+    """What the load warp moves: the global tensors, their shared-memory stages and the TMA
+    atoms between them (one bundle for load, load_kv and load_tile)."""
+    mQ: cute.Tensor
+    mK: cute.Tensor
+    mV: cute.Tensor
+    mdO: cute.Tensor
+    mLSE: cute.Tensor
+    mD: cute.Tensor
+    sQ: cute.Tensor
+    sK: cute.Tensor
+    sV: cute.Tensor
+    sdO: cute.Tensor
+    sLSE: cute.Tensor
+    sD: cute.Tensor
+    tma_q: cute.CopyAtom
+    tma_k: cute.CopyAtom
+    tma_v: cute.CopyAtom
+    tma_do: cute.CopyAtom
+    tma_lse: cute.CopyAtom
+    tma_d: cute.CopyAtom
+
+
 class FlashBwdSm90:
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
 
@@ -457,9 +481,9 @@ class FlashBwdSm90:
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(LOAD_REGS)
                 if warp_idx == 0:
-                    self.load(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q,
-                              tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do,
-                              tiles)
+                    ops = LoadOperands(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
+                                       tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d)
+                    self.load(ops, pipe_kv, pipe_q, pipe_do, tiles)
                 if warp_idx == DQ_WARP:
                     self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
             else:
@@ -503,31 +527,21 @@ class FlashBwdSm90:
         return carry
 
     @cute.jit
-    def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-             mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-             sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
-             tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-             tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
-             pipe_q, pipe_do, tiles):
+    def load(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tiles):
         """Producer: per tile, K and V, then (Q, LSE) and (dO, D) for each query block in
         order. The pipeline states run on across tiles."""
-        body = partial(self.load_tile, mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
-                       tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do)
+        body = partial(self.load_tile, ops, pipe_kv, pipe_q, pipe_do)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
         self.each_tile(tiles, body, (kv, st))
 
     @cute.jit
-    def load_kv(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-                sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
-                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
-                tile: KeyTile, kv):
+    def load_kv(self, ops: LoadOperands, pipe_kv, tile: KeyTile, kv):
         """A tile's K and V load into ``kv`` (not advanced), and the (global, shared) TMA
         partitions of its per-query-block loads: Q, LSE_log2, dO, D, indexed [None, m_block]
         and [None, stage]."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
+        mQ, mK, mV, mdO, mLSE, mD = ops.mQ, ops.mK, ops.mV, ops.mdO, ops.mLSE, ops.mD
         n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seq.q_rows(mQ, head, batch), (tm, d), (None, 0))
@@ -536,39 +550,32 @@ class FlashBwdSm90:
         gV = cute.local_tile(seq.k_rows(mV, head_kv, batch), (tn, d), (n_block, 0))
         gLSE = cute.local_tile(seq.q_pad_rows(mLSE, head, batch), (tm,), (None,))
         gD = cute.local_tile(seq.q_pad_rows(mD, head, batch), (tm,), (None,))
-        tQsQ, tQgQ = tma_split(tma_q, sQ, gQ)
-        tdOsdO, tdOgdO = tma_split(tma_do, sdO, gdO)
-        tKsK, tKgK = tma_split(tma_k, sK, gK)
-        tVsV, tVgV = tma_split(tma_v, sV, gV)
-        tLsL, tLgL = tma_split(tma_lse, sLSE, gLSE, rank=1)
-        tDsD, tDgD = tma_split(tma_d, sD, gD, rank=1)
+        tQsQ, tQgQ = tma_split(ops.tma_q, ops.sQ, gQ)
+        tdOsdO, tdOgdO = tma_split(ops.tma_do, ops.sdO, gdO)
+        tKsK, tKgK = tma_split(ops.tma_k, ops.sK, gK)
+        tVsV, tVgV = tma_split(ops.tma_v, ops.sV, gV)
+        tLsL, tLgL = tma_split(ops.tma_lse, ops.sLSE, gLSE, rank=1)
+        tDsD, tDgD = tma_split(ops.tma_d, ops.sD, gD, rank=1)
 
         # Persistent: waits until the mma warpgroups released the previous tile's K and V.
         pipe_kv.producer_acquire(kv)
-        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
-        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        cute.copy(ops.tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        cute.copy(ops.tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
         return (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD)
 
     @cute.jit
-    def load_tile(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-                  mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-                  sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
-                  tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-                  tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
-                  pipe_q, pipe_do, tile: KeyTile, states):
+    def load_tile(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tile: KeyTile, states):
         """One tile's loads; returns the advanced (kv, q/dO) producer states."""
         kv, st = states
-        tQ, tL, tdO, tD = self.load_kv(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
-                                       tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv,
-                                       tile, kv)
+        tQ, tL, tdO, tD = self.load_kv(ops, pipe_kv, tile, kv)
         (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
         kv.advance()
         for m_block in cutlass.range(tile.m_begin, tile.m_end, unroll=1):
             pipe_q.producer_acquire(st)
             bar_q = pipe_q.producer_get_barrier(st)
-            cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, st.index], tma_bar_ptr=bar_q)
-            cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, st.index], tma_bar_ptr=bar_q)
-            self.load_do(tma_do, tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st, m_block)
+            cute.copy(ops.tma_q, tQgQ[None, m_block], tQsQ[None, st.index], tma_bar_ptr=bar_q)
+            cute.copy(ops.tma_lse, tLgL[None, m_block], tLsL[None, st.index], tma_bar_ptr=bar_q)
+            self.load_do(ops.tma_do, ops.tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st, m_block)
             st.advance()
         return kv, st
 
@@ -581,6 +588,7 @@ class FlashBwdSm90:
         bar_do = pipe_do.producer_get_barrier(st_do)
         cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, st_do.index], tma_bar_ptr=bar_do)
         cute.copy(tma_d, tDgD[None, m_block], tDsD[None, st_do.index], tma_bar_ptr=bar_do)
+
     @cute.jit
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
             mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,

@@ -88,9 +88,10 @@ atom_cols): 128-byte at d=256, 64-byte at d=192 (96 = 3 atoms of 32 columns).
 
 Inherited from bwd.py: load warp (K/V once, Q + LSE and dO + D per query block; overridden
 here only for dO's own ring), dQ warp (DQ_FULL / DQ_EMPTY, one bulk reduce-add per block;
-deterministic semaphores; overridden here only per turn), the causal block range and diagonal/ragged masking (block_info with tile_n = 64), GQA (fp32
-per-query-head dK / dV summed by bwd_post), varlen (tail rows zeroed in shared memory) and the
-predicated dK / dV epilogue. Not supported: the persistent scheduler.
+deterministic semaphores; overridden here only per turn), the causal block range and
+diagonal/ragged masking (block_info with tile_n = 64), GQA (fp32 per-query-head dK / dV
+summed by bwd_post), varlen (tail rows zeroed in shared memory) and the predicated dK / dV
+epilogue. Not supported: the persistent scheduler.
 """
 from functools import partial
 
@@ -102,7 +103,8 @@ from cutlass.cute.nvgpu import warp, warpgroup
 
 from ...config import BwdSm90Config
 from ..common.layout import acc_as_mn, transpose_mn
-from .bwd import DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, FlashBwdSm90, KeyTile
+from .bwd import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, FlashBwdSm90, KeyTile,
+                  LoadOperands)
 from .pipelines import bulk_reduce_add_f32
 from .wgmma import gemm, make_smem_layout
 
@@ -393,18 +395,11 @@ class FlashBwdWideSm90(FlashBwdSm90):
         return carry
 
     @cute.jit
-    def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-             mLSE: cute.Tensor, mD: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-             sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
-             tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-             tma_do: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_d: cute.CopyAtom, pipe_kv,
-             pipe_q, pipe_do, tiles):
+    def load(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tiles):
         """bwd.py's producer; with cfg.do_stages the dO ring has its own state, and the dO
         acquire of block m+1 waits for block m's early release (after its dV)."""
         if const_expr(not self.cfg.do_stages):
-            FlashBwdSm90.load(self, mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD, tma_q,
-                              tma_k, tma_v, tma_do, tma_lse, tma_d, pipe_kv, pipe_q, pipe_do,
-                              tiles)
+            FlashBwdSm90.load(self, ops, pipe_kv, pipe_q, pipe_do, tiles)
         else:
             tile = tiles  # one tile per CTA (no persistent wide kernel)
             kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -412,9 +407,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
                                                 self.cfg.stages)
             st_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.cfg.do_stages)
-            tQ, tL, tdO, tD = self.load_kv(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
-                                           tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d,
-                                           pipe_kv, tile, kv)
+            tQ, tL, tdO, tD = self.load_kv(ops, pipe_kv, tile, kv)
             (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
             # Acquire in the order the stages free up: Q(m+1) waits for the end of block
             # m+1-stages, dO(m+1) for the dV of block m+1-do_stages, which comes first when
@@ -422,15 +415,16 @@ class FlashBwdWideSm90(FlashBwdSm90):
             do_first = const_expr(self.cfg.do_stages >= self.cfg.stages)
             for m_block in cutlass.range(tile.m_begin, tile.m_end, unroll=1):
                 if const_expr(do_first):
-                    self.load_do(tma_do, tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st_do,
-                                 m_block)
+                    self.load_do(ops.tma_do, ops.tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do,
+                                 st_do, m_block)
                 pipe_q.producer_acquire(st_q)
                 bar_q = pipe_q.producer_get_barrier(st_q)
-                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, st_q.index], tma_bar_ptr=bar_q)
-                cute.copy(tma_lse, tLgL[None, m_block], tLsL[None, st_q.index],
+                cute.copy(ops.tma_q, tQgQ[None, m_block], tQsQ[None, st_q.index],
+                          tma_bar_ptr=bar_q)
+                cute.copy(ops.tma_lse, tLgL[None, m_block], tLsL[None, st_q.index],
                           tma_bar_ptr=bar_q)
                 if const_expr(not do_first):
-                    self.load_do(tma_do, tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st_do,
-                                 m_block)
+                    self.load_do(ops.tma_do, ops.tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do,
+                                 st_do, m_block)
                 st_q.advance()
                 st_do.advance()
