@@ -30,7 +30,9 @@ from flash_cute.reference import attention_ref, check_grads_close
 
 # (lens_q, lens_k, seqused_q, seqused_k): single tokens, empty sequences, lengths at the 64-row
 # query tile and 128-key block edges, one long sequence among short ones, seqused (with NaN
-# past it), and no keys anywhere (answered on the host).
+# past it), no keys anywhere (answered on the host), and more sequences than a warp (the
+# kernel's tile-to-sequence scan goes 32 at a time).
+_MANY = torch.randint(0, 300, (45,), generator=torch.Generator().manual_seed(1)).tolist()
 LENGTHS = [
     ([1], [1], None, None),
     ([0, 1, 2], [3, 0, 1], None, None),
@@ -41,6 +43,7 @@ LENGTHS = [
     ([100, 0, 1, 333, 129, 7], [300, 5, 1, 333, 200, 0], [50, 0, 1, 333, 0, 7],
      [100, 0, 0, 200, 129, 0]),
     ([3, 200, 1], [0, 0, 0], None, None),
+    (_MANY + [900], _MANY[::-1] + [900], None, None),
 ]
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -53,7 +56,7 @@ def case(i, d, causal, h=4, hk=2, dtype=BF16, kind="oracle"):
 
 def cases():
     out = [case(i, 128, c) for i in range(len(LENGTHS)) for c in (False, True)]
-    out += [case(i, d, c) for d in (64, 96) for i in (0, 3, 4, 6) for c in (False, True)]
+    out += [case(i, d, c) for d in (64, 96) for i in (0, 3, 4, 6, 8) for c in (False, True)]
     # The wide kernel (d 192/256, 64-key blocks): NaN past seqused (4), many short (3), GQA fp16.
     out += [case(i, d, c) for d in (192, 256) for i in (3, 4) for c in (False, True)]
     out += [case(6, 192, True, h=6, hk=1, dtype=FP16), case(4, 256, True, kind="deterministic")]
@@ -62,6 +65,7 @@ def cases():
     out += [case(3, 128, True, h=4, hk=4), case(6, 128, True, h=6, hk=6),
             case(4, 64, True, h=6, hk=1, dtype=FP16), case(6, 64, True, dtype=FP16)]
     out += [case(4, 128, True, kind="deterministic"), case(6, 128, True, kind="deterministic"),
+            case(8, 128, True, kind="deterministic"), case(8, 256, False),
             case(4, 128, True, kind="per-sequence"), case(6, 128, True, kind="autograd"),
             case(4, 128, True, kind="no-recompile")]
     return out

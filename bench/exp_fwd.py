@@ -52,7 +52,7 @@ def run(compiled, q, k, v, section=None, ctas=None, dynamic=False):
     sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb), "all": num_hb}.get(
         section, section)
     compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), sec,
-             None, None, None, None, None, ctas,  # batched: no varlen arguments
+             *dispatch.NO_VARLEN, ctas,
              dispatch.new_tile_counter(q.device) if dynamic else None)
     return out
 

@@ -63,7 +63,7 @@ import torch
 
 from .config import (BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_WIDE_HEAD_DIMS, BwdSm90Config,
                      heads_per_section)
-from .dispatch import compile_kernel
+from .dispatch import NO_VARLEN, compile_kernel
 from .kernels.common.seqlen import pad_offset
 
 DEFAULT_ARCH = "sm_90a"
@@ -247,13 +247,13 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
         b = None
         rows = _fake_varlen_rows(cfg)
         sem_shape = (cute.sym_int(), cute.sym_int())
-        varlen_args = (*(_fake_int32s() for _ in range(4)), cutlass.Int32(1))
+        varlen_args = tuple(_fake_int32s() for _ in range(4))
     else:
         sq_pad = cute.sym_int(divisibility=cfg.tile_m)
         rows = (_fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
                 _fake_dq_accum(b, h, sq_pad, cfg))
         sem_shape = (cute.sym_int(), cute.sym_int(), cute.sym_int())
-        varlen_args = (None,) * 5
+        varlen_args = NO_VARLEN
     args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sk, hk), _fake_qkv(dt, d, b, sk, hk),
             _fake_qkv(dt, d, b, sq, h), *rows,
             _fake_qkv(dkv_dt, d, b, sk, dkv_heads), _fake_qkv(dkv_dt, d, b, sk, dkv_heads),
@@ -444,7 +444,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     pre(out, dout, lse, lse_log2, dpsum, dq_accum, None, None, None)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
-         softmax_scale * math.log2(math.e), softmax_scale, None, None, None, None, None,
+         softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
          *_sched_args(persistent, q.device, sq, d, b * h))
     post(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, None, None, None)
     if gqa:
@@ -490,8 +490,9 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
-    # No sequence is longer than all of q (k): a generous max_seqlen costs no empty CTAs.
-    grid_q, grid_k = min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
+    # No sequence is longer than all of q: a generous max_seqlen_q costs no empty CTAs in the
+    # pre/postprocess grids (the main kernel numbers only existing key blocks).
+    grid_q = min(max_seqlen_q, total_q)
 
     rows = pad_offset(total_q, batch, cfg.tile_m)  # padded rows of all sequences
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -509,7 +510,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q, grid_q)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
-         used_k, grid_k, *_sched_args(persistent, q.device, grid_q, d, batch * h))
+         used_k, *_sched_args(persistent, q.device, grid_q, d, batch * h))
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q, grid_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, None, None, None)

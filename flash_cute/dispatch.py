@@ -51,12 +51,17 @@ def compile_cache_size() -> int:
     return len(_cache)
 
 
+# The kernels' four varlen arguments (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) when
+# batched: one constant for the compile-time signature and every launch, so they cannot drift.
+NO_VARLEN = (None,) * 4
+
+
 def _fake_args(dtype_name: str, d: int, varlen: bool = False):
     """Fake tensors for compilation: symbolic sizes, 64-bit strides divisible by 16 bytes (TMA
     needs that; validation guarantees it), so no size or stride is baked into the kernel.
 
-    Returns the kernel's tensor arguments (q, k, v, out, lse) and its five varlen arguments
-    (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q), all None when batched."""
+    Returns the kernel's tensor arguments (q, k, v, out, lse) and its four varlen arguments
+    (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), all None when batched."""
     import cutlass
     import cutlass.cute as cute
 
@@ -71,7 +76,7 @@ def _fake_args(dtype_name: str, d: int, varlen: bool = False):
     if not varlen:
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
                                                     stride_order=(2, 1, 0), assumed_align=4)
-        return (qkv(b, sq, h), qkv(b, sk, hk), qkv(b, sk, hk), qkv(b, sq, h), lse), (None,) * 5
+        return (qkv(b, sq, h), qkv(b, sk, hk), qkv(b, sk, hk), qkv(b, sq, h), lse), NO_VARLEN
     lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq), stride_order=(1, 0),
                                                 assumed_align=4)
 
@@ -80,7 +85,7 @@ def _fake_args(dtype_name: str, d: int, varlen: bool = False):
                                              assumed_align=4)
 
     return ((qkv(sq, h), qkv(sk, hk), qkv(sk, hk), qkv(sq, h), lse),
-            (int32s(), int32s(), int32s(), int32s(), cutlass.Int32(1)))
+            (int32s(), int32s(), int32s(), int32s()))
 
 
 def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
@@ -234,8 +239,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                             persistent=ctas is not None, dynamic=dynamic)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           heads_per_section(sk, d, q.element_size(), b * h), None, None, None, None, None,
-           ctas, new_tile_counter(q.device) if dynamic else None)
+           heads_per_section(sk, d, q.element_size(), b * h), *NO_VARLEN, ctas,
+           new_tile_counter(q.device) if dynamic else None)
     return out, lse
 
 
@@ -272,11 +277,11 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     # cu_seqlens[b + 1] >= cu_seqlens[b + 1] - cu_seqlens[b]: as seqused it changes nothing.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
-    # No sequence is longer than all of q: a generous max_seqlen_q costs no empty tiles.
-    grid_rows = min(max_seqlen_q, total_q)
+    # The grid numbers only existing query blocks (kernels/common/scheduler.py); max_seqlen_k
+    # only sizes the L2 sections.
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            heads_per_section(max_seqlen_k, d, q.element_size(), batch * h), cu_seqlens_q,
-           cu_seqlens_k, used_q, used_k, grid_rows, None, None)
+           cu_seqlens_k, used_q, used_k, None, None)
     return out, lse
 
 

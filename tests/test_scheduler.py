@@ -1,5 +1,6 @@
 """The tile order of kernels/common/scheduler.py on Python ints: a bijection onto (block, head,
-batch), blocks ascending per (head, batch), the persistent deterministic backward's
+batch), blocks ascending per (head, batch), the varlen numbering (only existing blocks, within
+the host's bound), the persistent deterministic backward's
 dependencies (key block n after n-1 of its head) never deadlock, and the forward's dynamic
 claims (an atomic counter) hand out every tile once."""
 import heapq
@@ -31,6 +32,25 @@ def test_tile_order_is_a_bijection_blocks_ascending(shape):
         assert [n for n, hh, bb in tiles if (hh, bb) == (h, b)] == list(range(num_blocks))
     rev = order(num_blocks, nheads, batch, section, reverse=True)
     assert rev == [(num_blocks - 1 - n, h, b) for n, h, b in tiles]
+
+
+@given(st.lists(st.integers(0, 700), min_size=1, max_size=70), st.sampled_from([64, 128]),
+       st.integers(1, 5), st.integers(1, 8), st.booleans())
+def test_varlen_order_numbers_only_existing_blocks(lengths, tile_rows, nheads, section,
+                                                   reverse):
+    """Lengths include 0 (skipped) and more than 32 sequences (the kernel's scan steps)."""
+    bound = scheduler.varlen_num_tiles(sum(lengths), len(lengths), tile_rows, nheads)
+    tiles = [scheduler.varlen_tile_coords_model(t, lengths, tile_rows, nheads, section, reverse)
+             for t in range(bound)]
+    real = [t for t in tiles if t[2] < len(lengths)]
+    assert tiles[:len(real)] == real  # past the last tile, only "no sequence"
+    assert sorted(real) == sorted((n, h, b) for b, rows in enumerate(lengths)
+                                  for n in range(-(-rows // tile_rows)) for h in range(nheads))
+    assert [b for _, _, b in real] == sorted(b for _, _, b in real)  # sequence by sequence
+    for b, rows in enumerate(lengths):
+        ours = [t for t in real if t[2] == b]
+        blocks = -(-rows // tile_rows)
+        assert ours == [(n, h, b) for n, h, _ in order(blocks, nheads, 1, section, reverse)]
 
 
 def first_stuck(num_blocks, nheads, batch, section, grid, reverse=False):

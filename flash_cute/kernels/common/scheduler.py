@@ -15,6 +15,14 @@ coordinates:
   Backward: the first key blocks see the most query blocks (``reverse_blocks=False``). The long
   tiles start first and the short ones fill the tail (longest-processing-time first).
 
+Varlen (packed sequences, ``varlen_tile_coords``): the tiles of sequence 0 come first, then
+sequence 1's, ...; inside a sequence the batched order above with that sequence's block count
+(its heads as one section group). Only tiles that hold rows are numbered, so a short sequence
+costs no empty CTAs: the grid is ``varlen_num_tiles`` (a bound, known on the host without
+reading the lengths), and a number past the last tile maps to batch = num_batch (no tile).
+Finding a tile's sequence is a warp-wide prefix sum over the sequences' tile counts, 32
+sequences per step, run by every warp of the CTA (a few hundred cycles for 32 sequences).
+
 Launch styles sharing the numbering:
 
     one tile per CTA    grid = grid_shape(...); the CTA's tile is blockIdx.x (``current_tile``)
@@ -73,6 +81,60 @@ def tile_coords(tile: Int32, num_blocks: Int32, nheads: Int32, num_hb: Int32, se
     if reverse_blocks:  # a Python bool
         block = num_blocks - 1 - block
     return block, head, batch
+
+
+def varlen_num_tiles(total_rows, num_batch, tile_rows: int, nheads):
+    """A bound on the varlen tile count: sum_b ceil(len_b / tile) <= total // tile + batch."""
+    return (total_rows // tile_rows + num_batch) * nheads
+
+
+@cute.jit
+def varlen_tile_coords(tile: Int32, mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tensor,
+                       tile_rows: cutlass.Constexpr[int], nheads: Int32, section: Int32,
+                       reverse_blocks: cutlass.Constexpr[bool]):
+    """(block, head, batch) of varlen tile number ``tile`` (the module docstring's order); batch
+    = num_batch when ``tile`` is past the last one. Warp-collective: every lane of the warp must
+    call it with the same ``tile``. A sequence counts min(cu[b+1] - cu[b], seqused[b]) rows."""
+    lane = cute.arch.lane_idx()
+    num_batch = mCuSeqlens.shape[0] - 1
+    batch, in_seq, num_blocks = num_batch, Int32(0), Int32(1)
+    group, before = Int32(0), Int32(0)  # first sequence of this step; tiles before it
+    while group < num_batch:
+        b = group + lane
+        count = Int32(0)
+        if b < num_batch:
+            rows = cutlass.min(mCuSeqlens[b + 1] - mCuSeqlens[b], mSeqUsed[b])
+            count = (rows + tile_rows - 1) // tile_rows * nheads
+        upto = count  # inclusive prefix sum over the lanes (Hillis-Steele)
+        for i in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(upto, 1 << i)
+            if lane >= (1 << i):
+                upto += up
+        if cute.arch.vote_ballot_sync(before + upto > tile) != 0:
+            # The prefix sums only grow, so the lanes still at or below ``tile`` are the first
+            # ones and their count is the lane of the tile's sequence.
+            hit = cute.arch.popc(cute.arch.vote_ballot_sync(before + upto <= tile))
+            batch = group + hit
+            in_seq = tile - before - cute.arch.shuffle_sync(upto - count, hit)
+            num_blocks = cute.arch.shuffle_sync(count, hit) // nheads
+            group = num_batch
+        else:
+            before += cute.arch.shuffle_sync(upto, 31)
+            group += 32
+    block, head, _ = tile_coords(in_seq, num_blocks, nheads, nheads, section, reverse_blocks)
+    return block, head, batch
+
+
+def varlen_tile_coords_model(tile, lengths, tile_rows, nheads, section, reverse_blocks):
+    """varlen_tile_coords on Python ints (tests): lengths = the rows each sequence counts."""
+    for batch, rows in enumerate(lengths):
+        count = -(-rows // tile_rows) * nheads
+        if tile < count:
+            block, head, _ = tile_coords(tile, count // nheads, nheads, nheads, section,
+                                         reverse_blocks)
+            return block, head, batch
+        tile -= count
+    return 0, 0, len(lengths)
 
 
 @cute.jit

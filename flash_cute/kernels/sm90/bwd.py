@@ -132,10 +132,11 @@ GQA, none for fp16 varlen GQA deterministic); not yet run on a GPU.
 
 Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
 (total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (sequence b
-from ``pad_offset``, whole tiles that never overlap the next sequence's). The grid covers
-max_seqlen_k; a CTA whose key block starts at or past its sequence's seqlen_k returns before
-any pipeline wait or named barrier (uniform over the CTA: all 384 threads leave together; the
-mbarriers were only initialised); persistent, every role skips such a tile. TMA views start
+from ``pad_offset``, whole tiles that never overlap the next sequence's). Tiles are numbered
+over the key blocks that exist (scheduler.varlen_tile_coords); the few numbers of the grid's
+bound past the last tile return before any pipeline wait or named barrier (uniform over the
+CTA: all 384 threads leave together; the mbarriers were only initialised); persistent, every
+role skips them. TMA views start
 at the sequence's first row but keep the packed extent, so the boxes at a sequence's end hold
 the next sequence's rows (past seqused: anything, NaN included). The mma warpgroups zero those
 rows in shared memory before any wgmma reads them: K and V past seqlen_k once per tile, Q and
@@ -207,8 +208,8 @@ class KeyTile:
     seq: SeqlenInfo
     m_begin: Int32
     m_end: Int32
-    # Varlen: the grid covers the longest sequence; a shorter one's extra key blocks have no
-    # keys. Every role skips such a tile the same way (persistent) or the whole CTA leaves.
+    # Varlen: false past the last tile (the grid is a bound). Every role skips such a tile the
+    # same way (persistent) or the whole CTA leaves.
     has_keys: bool
 
 
@@ -216,18 +217,14 @@ class KeyTile:
 class PersistentTiles:
     """Persistent: tile numbers (common/scheduler.py) and how one becomes a KeyTile."""
     tile_at: Callable  # (n_block, head, batch) -> KeyTile
-    num_blocks: Int32
-    nheads: Int32
-    num_hb: Int32      # heads * batch
-    section: Int32     # heads per L2 section
+    coords: Callable   # tile number -> (n_block, head, batch)
+    count: Int32       # tile numbers (varlen: a bound)
 
     def num_tiles(self):
-        return scheduler.num_tiles(self.num_blocks, self.num_hb)
+        return self.count
 
     def tile(self, t: Int32) -> KeyTile:
-        # Key blocks ascending: the longest first (causal) and n after n-1 (deterministic).
-        return self.tile_at(*scheduler.tile_coords(t, self.num_blocks, self.nheads,
-                                                   self.num_hb, self.section, False))
+        return self.tile_at(*self.coords(t))
 
 
 @dataclass(frozen=True)
@@ -295,15 +292,14 @@ class FlashBwdSm90:
                  mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32, dk_scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-                 max_seqlen_k: Optional[Int32], num_sms: Optional[Int32],
-                 heads_per_section: Int32, stream: cuda.CUstream):
+                 num_sms: Optional[Int32], heads_per_section: Int32, stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
         dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
-        (b, h, sq_pad / tm) int32, zeroed (read only when deterministic); the five varlen
+        (b, h, sq_pad / tm) int32, zeroed (read only when deterministic); the four varlen
         arguments None. Varlen: the batch mode goes, rows are packed (Q, dO, K, V, dK, dV
         (total, heads, d)) or padded (mLSE, mD (h, rows), mdQaccum (h, rows, d), mSem
-        (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_k sizes the grid.
+        (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32.
         num_sms bounds the persistent grid (else None); heads_per_section is the scheduler's
         L2 section (kernels/common/scheduler.py), for both launch styles."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
@@ -312,16 +308,12 @@ class FlashBwdSm90:
                                          for t in (mQ, mdO, mK, mV, mdK, mdV)]
             mLSE, mD, mSem = [select_modes(t, [1, 0]) for t in (mLSE, mD, mSem)]
             mdQaccum = select_modes(mdQaccum, [1, 2, 0])
-            num_n_blocks = (max_seqlen_k + self.tile_n - 1) // self.tile_n
-            num_batch = mCuSeqlensQ.shape[0] - 1
         else:
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [1, 3, 2, 0])
                                          for t in (mQ, mdO, mK, mV, mdK, mdV)]
             mLSE, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE, mD)]
             mdQaccum = select_modes(mdQaccum, [2, 3, 1, 0])
             mSem = select_modes(mSem, [2, 1, 0])
-            num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
-            num_batch = mQ.shape[3]
         dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.stages
         mma_sdp, mma_dkv, mma_dq = self.make_mmas()
         sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout = self.smem_layouts()
@@ -367,17 +359,15 @@ class FlashBwdSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
 
         self.shared_storage = SharedStorage
-        num_hb = mQ.shape[2] * num_batch
-        sched = (num_n_blocks, num_hb, heads_per_section)
+        count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, heads_per_section)[1]
+        grid = (count, 1, 1)
         if const_expr(self.persistent):
-            grid = scheduler.persistent_grid(scheduler.num_tiles(num_n_blocks, num_hb), num_sms)
-        else:
-            grid = scheduler.grid_shape(num_n_blocks, mQ.shape[2], num_batch)
+            grid = scheduler.persistent_grid(count, num_sms)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mD, mdQaccum, mdK, mdV, mSem,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                    mSeqUsedK, *sched).launch(
+                    mSeqUsedK, heads_per_section).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -442,8 +432,7 @@ class FlashBwdSm90:
                sdQ_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-               mSeqUsedK: Optional[cute.Tensor], num_n_blocks: Int32, num_hb: Int32,
-               section: Int32):
+               mSeqUsedK: Optional[cute.Tensor], section: Int32):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
@@ -466,16 +455,16 @@ class FlashBwdSm90:
 
         tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
                           mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
+        coords, count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, section)
         if const_expr(self.persistent):
             # Every role walks the same tiles (each_tile) and skips the same empty ones.
-            tiles = PersistentTiles(tile_at, num_n_blocks, mQ.shape[2], num_hb, section)
+            tiles = PersistentTiles(tile_at, coords, count)
             run = True
         else:
             # One tile per CTA, numbered like the persistent walk (L2 sections, longest
-            # first); an empty one (varlen) leaves before any pipeline wait or named barrier,
-            # uniformly over the CTA (the barriers above were only initialised).
-            tiles = tile_at(*scheduler.current_tile(num_n_blocks, mQ.shape[2], num_hb, section,
-                                                    False))
+            # first); one past the varlen tiles leaves before any pipeline wait or named
+            # barrier, uniformly over the CTA (the barriers above were only initialised).
+            tiles = tile_at(*coords(cute.arch.block_idx()[0]))
             run = tiles.has_keys
         if run:
             if warp_idx // 4 == 0:
@@ -491,11 +480,30 @@ class FlashBwdSm90:
                 self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD,
                          sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tiles)
 
+    def tile_order(self, mQ, mK, mCuSeqlensK, mSeqUsedK, section):
+        """(tile number -> (n_block, head, batch), tile count; varlen: a bound). Key blocks
+        ascending: the longest first (causal) and n after n-1 (deterministic)."""
+        nheads = mQ.shape[2]
+        if const_expr(self.varlen):
+            return (partial(scheduler.varlen_tile_coords, mCuSeqlens=mCuSeqlensK,
+                            mSeqUsed=mSeqUsedK, tile_rows=self.tile_n, nheads=nheads,
+                            section=section, reverse_blocks=False),
+                    scheduler.varlen_num_tiles(mK.shape[0], mCuSeqlensK.shape[0] - 1,
+                                               self.tile_n, nheads))
+        num_blocks, num_hb = cute.ceil_div(mK.shape[0], self.tile_n), nheads * mQ.shape[3]
+        return (partial(scheduler.tile_coords, num_blocks=num_blocks, nheads=nheads,
+                        num_hb=num_hb, section=section, reverse_blocks=False),
+                scheduler.num_tiles(num_blocks, num_hb))
+
     @cute.jit
     def key_tile(self, n_block: Int32, head: Int32, batch: Int32, mQ: cute.Tensor,
                  mK: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
                  mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                  mSeqUsedK: Optional[cute.Tensor]) -> KeyTile:
+        has_keys = True
+        if const_expr(self.varlen):  # past the last tile: no sequence (reads kept in bounds)
+            has_keys = batch < mCuSeqlensK.shape[0] - 1
+            batch = cutlass.min(batch, mCuSeqlensK.shape[0] - 2)
         seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                 pad_tile_m=self.tile_m)
         m_begin = Int32(0)
@@ -503,7 +511,6 @@ class FlashBwdSm90:
             m_begin = block_info.m_block_min_causal(n_block, self.tile_m, self.tile_n,
                                                     seq.seqlen_q, seq.seqlen_k)
         m_end = cute.ceil_div(seq.seqlen_q, self.tile_m)
-        has_keys = True if const_expr(not self.varlen) else n_block * self.tile_n < seq.seqlen_k
         return KeyTile(n_block, head, batch, seq, m_begin, m_end, has_keys)
 
     @cute.jit

@@ -14,8 +14,9 @@ Warp roles (1 + n warpgroups; n = 2 by default, 3 possible with 64-key blocks):
 
 Varlen (``varlen=True``, one compiled kernel for any lengths): Q/K/V/O are packed
 (total, h, d) and LSE (h, total_q); sequence b is rows [cu_seqlens[b], ...) of length
-min(cu_seqlens[b+1] - cu_seqlens[b], seqused[b]) (common/seqlen.py). The grid covers
-max_seqlen_q; tiles past a shorter sequence's end return at once. The TMA descriptors span the
+min(cu_seqlens[b+1] - cu_seqlens[b], seqused[b]) (common/seqlen.py). The grid numbers only
+the query blocks that exist (scheduler.varlen_tile_coords: a warp-wide scan of the lengths);
+the few numbers past the last tile return at once. The TMA descriptors span the
 packed tensors, so a sequence's last Q/K/V box also reads the next sequence's rows: scores of
 keys past seqlen_k are masked as for a ragged tail, V rows past it are zeroed in shared memory
 (P = 0 there, but 0 * NaN would still poison O, e.g. an uninitialised KV cache past
@@ -134,11 +135,11 @@ class FlashFwdSm90:
                  mLSE: cute.Tensor, scale_log2: Float32, heads_per_section: Int32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-                 max_seqlen_q: Optional[Int32], max_ctas: Optional[Int32],
-                 mTileCounter: Optional[cute.Tensor], stream: cuda.CUstream):
-        """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the five
+                 max_ctas: Optional[Int32], mTileCounter: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
+        """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
-        (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32; max_seqlen_q sizes the grid.
+        (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
         max_ctas: persistent only (else None), the most CTAs that run at once (SMs x 1).
         mTileCounter: dynamic only (else None), one int32, zero at launch (the host passes a
         fresh zeroed one per call, see dispatch.fwd)."""
@@ -146,14 +147,10 @@ class FlashFwdSm90:
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
             mLSE = select_modes(mLSE, [1, 0])
-            num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
-            num_batch = mCuSeqlensQ.shape[0] - 1
         else:
             mQ, mO = [select_modes(t, [1, 3, 2, 0]) for t in (mQ, mO)]
             mK, mV = [select_modes(t, [1, 3, 2, 0]) for t in (mK, mV)]
             mLSE = select_modes(mLSE, [2, 1, 0])
-            num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-            num_batch = mQ.shape[3]
         dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.kv_stages
 
         mma_qk = sm90_utils.make_trivial_tiled_mma(
@@ -181,13 +178,17 @@ class FlashFwdSm90:
         self.kv_bytes = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1]))
 
         self.shared_storage = self.make_shared_storage(sQ_layout, sK_layout, sV_layout)
-        grid = scheduler.grid_shape(num_m_blocks, mQ.shape[2], num_batch)
+        if const_expr(self.varlen):
+            grid = (scheduler.varlen_num_tiles(mQ.shape[0], mCuSeqlensQ.shape[0] - 1,
+                                               self.tile_m, mQ.shape[2]), 1, 1)
+        else:
+            grid = scheduler.grid_shape(cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[2],
+                                        mQ.shape[3])
         if const_expr(self.cfg.persistent):
             grid = scheduler.persistent_grid(grid[0], max_ctas)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, tma_q, tma_k, tma_v, tma_o,
                     scale_log2, heads_per_section, sQ_layout, sK_layout, sV_layout, mma_qk,
-                    mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                    num_m_blocks if const_expr(self.varlen) else None, mTileCounter).launch(
+                    mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def make_shared_storage(self, sQ_layout, sK_layout, sV_layout):
@@ -220,7 +221,7 @@ class FlashFwdSm90:
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-               num_m_blocks_varlen: Optional[Int32], mTileCounter: Optional[cute.Tensor]):
+               mTileCounter: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -243,22 +244,24 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        if const_expr(self.varlen):
-            num_m_blocks, num_batch = num_m_blocks_varlen, mCuSeqlensQ.shape[0] - 1
-        else:
+        nheads, longest_first = mQ.shape[2], self.causal and self.cfg.longest_first
+        if const_expr(not self.varlen):
             num_m_blocks, num_batch = cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[3]
-        nheads = mQ.shape[2]
-        order = (num_m_blocks, nheads, nheads * num_batch, heads_per_section,
-                 self.causal and self.cfg.longest_first)
+            order = (num_m_blocks, nheads, nheads * num_batch, heads_per_section, longest_first)
         if const_expr(not self.cfg.persistent):
-            m_block, head, batch = scheduler.current_tile(*order)
+            has_rows = True
+            if const_expr(self.varlen):
+                m_block, head, batch = scheduler.varlen_tile_coords(
+                    cute.arch.block_idx()[0], mCuSeqlensQ, mSeqUsedQ, self.tile_m, nheads,
+                    heads_per_section, longest_first)
+                # The grid's bound leaves a few numbers past the last tile: they leave at once,
+                # uniformly over the CTA, so no pipeline is left waiting.
+                has_rows = batch < mCuSeqlensQ.shape[0] - 1
+                batch = cutlass.min(batch, mCuSeqlensQ.shape[0] - 2)  # reads kept in bounds
+            else:
+                m_block, head, batch = scheduler.current_tile(*order)
             seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                                     mSeqUsedK)
-            # Varlen: the grid covers the longest sequence; a shorter one's extra tiles have no
-            # rows. Uniform over the CTA, so every warp leaves together and no pipeline is left
-            # waiting.
-            has_rows = (True if const_expr(not self.varlen)
-                        else m_block * self.tile_m < seq.seqlen_q)
             if has_rows:
                 n_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q,
                                                seq.seqlen_k, self.causal)
