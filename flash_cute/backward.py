@@ -18,7 +18,7 @@ tests/test_gpu.py gradient tests); timings in docs/performance.md.
 
     The same three launches over packed q/k/v (total, heads, d) and lse (h, total_q): the
     kernels' ``varlen=True`` variants, the fp32 row arrays in per-sequence padded rows
-    (kernels/common/seqlen.py: ``pad_offset``), the grids sized by max_seqlen; the GQA sums of
+    (kernels/common/seqlen.py: ``pad_offset``), the grids over the tiles that exist; the GQA sums of
     dK / dV are row for row, so they use the batched bwd_post. Status: compiled and
     SASS-checked on CPU; bench/check_varlen_bwd.py checks it on the H200.
 
@@ -67,6 +67,8 @@ from .dispatch import NO_VARLEN, compile_kernel
 from .kernels.common.seqlen import pad_offset
 
 DEFAULT_ARCH = "sm_90a"
+# bwd_pre / bwd_post's varlen arguments (cu_seqlens_q, seqused_q) when batched.
+NO_VARLEN_Q = (None,) * 2
 ENV_FLAG = "FLASH_CUTE_FUSED_BWD"
 PERSISTENT_ENV = "FLASH_CUTE_BWD_PERSISTENT"
 # Testing: a persistent grid of this many CTAs instead of the SM count, so that small check
@@ -217,14 +219,14 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq),
                                                     stride_order=(1, 0), assumed_align=4)
         args = (_fake_qkv(dt, d, None, sq, h), _fake_qkv(dt, d, None, sq, h), lse,
-                *_fake_varlen_rows(cfg), _fake_int32s(), _fake_int32s(), cutlass.Int32(1))
+                *_fake_varlen_rows(cfg), _fake_int32s(), _fake_int32s())
     else:
         sq_pad = cute.sym_int(divisibility=cfg.tile_m)
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
                                                     stride_order=(2, 1, 0), assumed_align=4)
         args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
                 _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
-                _fake_dq_accum(b, h, sq_pad, cfg), None, None, None)
+                _fake_dq_accum(b, h, sq_pad, cfg), *NO_VARLEN_Q)
     return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m), args, keep_cubin)
 
 
@@ -283,10 +285,10 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
         assumed_align=16)
     if varlen:
         out = _fake_qkv(dt, d, None, cute.sym_int(), cute.sym_int())
-        varlen_args = (_fake_int32s(), _fake_int32s(), cutlass.Int32(1))
+        varlen_args = (_fake_int32s(), _fake_int32s())
     else:
         out = _fake_qkv(dt, d, cute.sym_int(), cute.sym_int(), cute.sym_int())
-        varlen_args = (None,) * 3
+        varlen_args = NO_VARLEN_Q
     if tile_m is None:
         tile_m = BwdSm90Config.for_head_dim(d).tile_m
     return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m),
@@ -442,14 +444,14 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         dk_out, dv_out = dk, dv
 
-    pre(out, dout, lse, lse_log2, dpsum, dq_accum, None, None, None)
+    pre(out, dout, lse, lse_log2, dpsum, dq_accum, *NO_VARLEN_Q)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
          *_sched_args(persistent, q.device, sq, d, b * h))
-    post(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, None, None, None)
+    post(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
-        post(dk_out, dk, 1.0, None, None, None)
-        post(dv_out, dv, 1.0, None, None, None)
+        post(dk_out, dk, 1.0, *NO_VARLEN_Q)
+        post(dv_out, dv, 1.0, *NO_VARLEN_Q)
     return dq, dk, dv
 
 
@@ -490,9 +492,6 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
-    # No sequence is longer than all of q: a generous max_seqlen_q costs no empty CTAs in the
-    # pre/postprocess grids (the main kernel numbers only existing key blocks).
-    grid_q = min(max_seqlen_q, total_q)
 
     rows = pad_offset(total_q, batch, cfg.tile_m)  # padded rows of all sequences
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -507,12 +506,13 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     else:
         dk_out, dv_out = dk, dv
 
-    pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q, grid_q)
+    pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
-         used_k, *_sched_args(persistent, q.device, grid_q, d, batch * h))
-    post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q, grid_q)
+         used_k,
+         *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), d, batch * h))
+    post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
-        post(dk_out[None], dk[None], 1.0, None, None, None)
-        post(dv_out[None], dv[None], 1.0, None, None, None)
+        post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)
+        post(dv_out[None], dv[None], 1.0, *NO_VARLEN_Q)
     return dq, dk, dv

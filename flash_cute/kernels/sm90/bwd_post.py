@@ -11,8 +11,9 @@ One elementwise kernel, used up to three times per backward call:
                scale = 1 (the main kernel already scaled dK).
 
 Varlen dQ (``varlen=True``): acc = dQaccum viewed as (rows, h, d), sequence b's rows from its
-padded start (common/seqlen.py), out = dq (total_q, h, d); the grid covers max_seqlen_q rows
-of every sequence (blockIdx.z = sequence). Rows past seqused_q are written as 0 (the
+padded start (common/seqlen.py), out = dq (total_q, h, d); a CTA per tile_m rows of one
+(sequence, head), numbered over the tiles that exist (scheduler.varlen_tile_coords over every
+row of a sequence, not only those below seqused_q). Rows past seqused_q are written as 0 (the
 accumulator holds no meaningful sums there). GQA dK / dV of varlen calls are row-for-row and
 go through the batched form with a batch of 1.
 
@@ -26,8 +27,9 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
+from ..common import scheduler
 from ..common.seqlen import SeqlenInfo
 
 THREADS = 128
@@ -47,14 +49,14 @@ class FlashBwdPostSm90:
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-                 max_seqlen_q: Optional[Int32], stream: cuda.CUstream):
+                 stream: cuda.CUstream):
         """Batched: mAcc (b, s, G * j, d) fp32 (any strides, d contiguous); mOut (b, s, j, d);
         the varlen arguments None. Varlen: mAcc (rows, h, d) padded rows; mOut (total_q, h, d);
-        cu_seqlens_q (b + 1,), seqused_q (b,) int32; max_seqlen_q sizes the grid."""
+        cu_seqlens_q (b + 1,), seqused_q (b,) int32."""
         vecs_per_row = self.d // VEC
         if const_expr(self.varlen):
-            per_seq = max_seqlen_q * mOut.shape[1] * vecs_per_row
-            grid = [cute.ceil_div(per_seq, THREADS), 1, mCuSeqlensQ.shape[0] - 1]
+            grid = [scheduler.varlen_num_tiles(mOut.shape[0], mCuSeqlensQ.shape[0] - 1,
+                                               self.tile_m, mOut.shape[1]), 1, 1]
         else:
             total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
             grid = [cute.ceil_div(total, THREADS), 1, 1]
@@ -73,25 +75,32 @@ class FlashBwdPostSm90:
     def kernel_varlen(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
                       mCuSeqlensQ: cute.Tensor, mSeqUsedQ: cute.Tensor):
         tidx = cute.arch.thread_idx()[0]
-        bidx, _, batch = cute.arch.block_idx()
-        seq = SeqlenInfo.create(batch, None, None, mCuSeqlensQ, None, mSeqUsedQ, None,
-                                pad_tile_m=self.tile_m)
         heads = mOut.shape[1]
-        vecs_per_row = self.d // VEC
-        v = bidx * THREADS + tidx
-        col = v % vecs_per_row
-        head = (v // vecs_per_row) % heads
-        pos = v // (vecs_per_row * heads)
-        if pos < mCuSeqlensQ[batch + 1] - seq.offset_q:  # every row of the sequence
-            acc = cute.make_rmem_tensor((VEC,), Float32)
-            acc.fill(0.0)
-            if pos < seq.seqlen_q:  # past seqused_q: 0
-                gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None], (VEC,), (col,))
-                cute.autovec_copy(gAcc, acc)
-            out = cute.make_rmem_tensor((VEC,), self.dtype)
-            out.store((acc.load() * scale).to(self.dtype))
-            cute.autovec_copy(out, cute.local_tile(mOut[seq.offset_q + pos, head, None],
-                                                   (VEC,), (col,)))
+        # Every row of a sequence gets written, so its tiles count cu_seqlens' lengths (the
+        # shifted cu_seqlens bounds them from above, as seqused).
+        block, head, batch = scheduler.varlen_tile_coords(
+            cute.arch.block_idx()[0], mCuSeqlensQ, cute.domain_offset((1,), mCuSeqlensQ),
+            self.tile_m, heads, heads, False)
+        if batch < mCuSeqlensQ.shape[0] - 1:
+            seq = SeqlenInfo.create(batch, None, None, mCuSeqlensQ, None, mSeqUsedQ, None,
+                                    pad_tile_m=self.tile_m)
+            rows = mCuSeqlensQ[batch + 1] - seq.offset_q
+            vecs_per_row = self.d // VEC
+            for i in cutlass.range_constexpr(-(-self.tile_m * vecs_per_row // THREADS)):
+                v = i * THREADS + tidx
+                pos = block * self.tile_m + v // vecs_per_row
+                col = v % vecs_per_row
+                if v < self.tile_m * vecs_per_row and pos < rows:
+                    acc = cute.make_rmem_tensor((VEC,), Float32)
+                    acc.fill(0.0)
+                    if pos < seq.seqlen_q:  # past seqused_q: 0
+                        gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
+                                               (VEC,), (col,))
+                        cute.autovec_copy(gAcc, acc)
+                    out = cute.make_rmem_tensor((VEC,), self.dtype)
+                    out.store((acc.load() * scale).to(self.dtype))
+                    cute.autovec_copy(out, cute.local_tile(mOut[seq.offset_q + pos, head, None],
+                                                           (VEC,), (col,)))
 
     @cute.jit
     def kernel_batched(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32):

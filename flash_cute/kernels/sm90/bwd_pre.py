@@ -16,7 +16,8 @@ LSE_log2 = +inf, which makes the main kernel's P = exp2(S * scale_log2 - LSE_log
 
 Varlen (``varlen=True``): O, dO (total_q, h, d), LSE (h, total_q); the padded arrays are
 (h, rows) with sequence b's rows from ``pad_offset(cu_seqlens_q[b], b, tile_m)``
-(common/seqlen.py). The grid covers max_seqlen_q rows per sequence; a sequence writes its
+(common/seqlen.py). A CTA handles one tile of tile_m padded rows of one (sequence, head), the
+tiles numbered over those that exist (scheduler.varlen_tile_coords): a sequence writes its
 padded rows up to its used length rounded up to tile_m (the tiles the main kernel reads),
 padding rules as above.
 
@@ -32,9 +33,11 @@ import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..common import scheduler
 from ..common.seqlen import SeqlenInfo
 
 THREADS = 128
@@ -59,14 +62,14 @@ class FlashBwdPreSm90:
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mLSElog2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
                  mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-                 max_seqlen_q: Optional[Int32], stream: cuda.CUstream):
+                 stream: cuda.CUstream):
         """Batched: mO, mdO (b, sq, h, d); mLSE (b, h, sq) fp32; mLSElog2, mD (b, h, sq_pad)
         fp32; mdQaccum (b, h, sq_pad, d) fp32; the varlen arguments None. Varlen: mO, mdO
         (total_q, h, d); mLSE (h, total_q); mLSElog2, mD (h, rows); mdQaccum (h, rows, d);
-        cu_seqlens_q (b + 1,), seqused_q (b,) int32; max_seqlen_q sizes the grid."""
+        cu_seqlens_q (b + 1,), seqused_q (b,) int32."""
         if const_expr(self.varlen):
-            rows = cute.round_up(max_seqlen_q, self.tile_m)
-            grid = [cute.ceil_div(rows, ROWS_PER_CTA), mO.shape[1], mCuSeqlensQ.shape[0] - 1]
+            grid = [scheduler.varlen_num_tiles(mO.shape[0], mCuSeqlensQ.shape[0] - 1,
+                                               self.tile_m, mO.shape[1]), 1, 1]
         else:
             grid = [cute.ceil_div(mLSElog2.shape[2], ROWS_PER_CTA), mO.shape[2], mO.shape[0]]
         self.kernel(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, mCuSeqlensQ, mSeqUsedQ).launch(
@@ -77,25 +80,41 @@ class FlashBwdPreSm90:
                mLSElog2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor]):
         tidx = cute.arch.thread_idx()[0]
-        row_block, head, batch = cute.arch.block_idx()
+        lane_row = tidx // THREADS_PER_ROW
         if const_expr(self.varlen):
-            # One sequence's rows as (row, h, ...) views: packed from its start, padded from
-            # its padded start; whole tiles up to its used length.
-            seq = SeqlenInfo.create(batch, None, None, mCuSeqlensQ, None, mSeqUsedQ, None,
-                                    pad_tile_m=self.tile_m)
-            seqlen_q = seq.seqlen_q
-            sq_pad = cute.round_up(seqlen_q, self.tile_m)
-            mO, mdO = [cute.domain_offset((seq.offset_q, 0, 0), t) for t in (mO, mdO)]
-            mLSE = cute.domain_offset((0, seq.offset_q), mLSE)
-            mLSElog2, mD = [cute.domain_offset((0, seq.offset_q_pad), t) for t in (mLSElog2, mD)]
-            mdQaccum = cute.domain_offset((0, seq.offset_q_pad, 0), mdQaccum)
-            batch_crd = ()
+            # A CTA per tile_m padded rows of one (sequence, head), numbered over the tiles
+            # that exist (common/scheduler.py); the grid's bound leaves a few past the last.
+            heads = mO.shape[1]
+            block, head, batch = scheduler.varlen_tile_coords(
+                cute.arch.block_idx()[0], mCuSeqlensQ, mSeqUsedQ, self.tile_m, heads, heads,
+                False)
+            if batch < mCuSeqlensQ.shape[0] - 1:
+                # The sequence's rows as (row, h, ...) views: packed from its start, padded
+                # from its padded start; whole tiles up to its used length.
+                seq = SeqlenInfo.create(batch, None, None, mCuSeqlensQ, None, mSeqUsedQ, None,
+                                        pad_tile_m=self.tile_m)
+                packed = [cute.domain_offset((seq.offset_q, 0, 0), t) for t in (mO, mdO)]
+                packed.append(cute.domain_offset((0, seq.offset_q), mLSE))
+                padded = [cute.domain_offset((0, seq.offset_q_pad), t) for t in (mLSElog2, mD)]
+                padded.append(cute.domain_offset((0, seq.offset_q_pad, 0), mdQaccum))
+                end = cutlass.min((block + 1) * self.tile_m,
+                                  cute.round_up(seq.seqlen_q, self.tile_m))
+                for p in cutlass.range_constexpr(-(-self.tile_m // ROWS_PER_CTA)):
+                    self.row(*packed, *padded, (), head,
+                             block * self.tile_m + p * ROWS_PER_CTA + lane_row,
+                             seq.seqlen_q, end, tidx % THREADS_PER_ROW)
         else:
-            seqlen_q, sq_pad = mO.shape[1], mLSElog2.shape[2]
-            batch_crd = (batch,)
-        part = tidx % THREADS_PER_ROW
-        row = row_block * ROWS_PER_CTA + tidx // THREADS_PER_ROW
+            row_block, head, batch = cute.arch.block_idx()
+            self.row(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, (batch,), head,
+                     row_block * ROWS_PER_CTA + lane_row, mO.shape[1], mLSElog2.shape[2],
+                     tidx % THREADS_PER_ROW)
 
+    @cute.jit
+    def row(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSElog2: cute.Tensor,
+            mD: cute.Tensor, mdQaccum: cute.Tensor, batch_crd, head: Int32, row: Int32,
+            seqlen_q: Int32, end: Int32, part: Int32):
+        """Lane ``part`` of one row: reads below seqlen_q, writes below ``end`` (the padded
+        length, or this CTA's share of it). Every lane of a quad takes part in the shuffles."""
         dot = Float32(0.0)
         if row < seqlen_q:
             gO = self.lane_part(mO[(*batch_crd, row, head, None)], part)
@@ -108,7 +127,7 @@ class FlashBwdPreSm90:
             dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         dot = cute.arch.warp_reduction_sum(dot, threads_in_group=THREADS_PER_ROW)
 
-        if row < sq_pad:
+        if row < end:
             if part == 0:
                 lse_log2 = Float32.inf  # padding row: P = 0
                 if row < seqlen_q:
