@@ -24,6 +24,9 @@ Thread mapping: 128 threads per CTA, ROWS_PER_CTA = 32 rows, THREADS_PER_ROW = 4
 lanes per row, each owning d/4 contiguous elements (a multiple of 8, so whole 16-byte vectors for
 every supported d); the row's dot product is a 4-lane butterfly reduction. Memory-bound: it
 reads dO and O once (4 * s * h * d bytes) and writes dQaccum once (4 * s * h * d bytes).
+
+PDL (``pdl=True``, kernels/sm90/pdl.py): a plain launch that lets the main kernel start after
+its O / dO loads; the main kernel waits for its completion before reading its outputs.
 """
 import math
 from typing import Optional
@@ -33,6 +36,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.seqlen import SeqlenInfo
+from . import pdl
 
 THREADS = 128
 THREADS_PER_ROW = 4                    # a quad: the row reduction is two shuffles
@@ -41,8 +45,10 @@ LOG2E = math.log2(math.e)
 
 
 class FlashBwdPreSm90:
-    def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64):
-        """``tile_m``: the main kernel's query tile (varlen: the padded-row unit)."""
+    def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
+                 pdl: bool = False):
+        """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
+        the main kernel is launched as its programmatic dependent."""
         if head_dim % (8 * THREADS_PER_ROW) != 0:
             raise ValueError(f"head_dim {head_dim} must split into {THREADS_PER_ROW} 16B chunks")
         self.dtype = dtype
@@ -50,6 +56,7 @@ class FlashBwdPreSm90:
         self.chunk = head_dim // THREADS_PER_ROW
         self.varlen = varlen
         self.tile_m = tile_m
+        self.pdl = pdl
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -102,6 +109,7 @@ class FlashBwdPreSm90:
             cute.autovec_copy(gdO, rdO)
             prod = rO.load().to(Float32) * rdO.load().to(Float32)
             dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        pdl.launch_dependents(self.pdl)  # O, dO read: the main kernel's prologue may start
         dot = cute.arch.warp_reduction_sum(dot, threads_in_group=THREADS_PER_ROW)
 
         if row < sq_pad:
