@@ -5,6 +5,7 @@
     python bench/check_bwd.py --only 'd=128'  # cases whose tag contains the string
     python bench/check_bwd.py --list          # the cases and their indices
     python bench/check_bwd.py --deterministic # the deterministic dQ order
+    python bench/check_bwd.py --pdl --no-time # programmatic dependent launch (BwdSm90Config.pdl)
 
 The persistent main kernel (experiment): FLASH_CUTE_BWD_PERSISTENT=1 in the environment;
 add FLASH_CUTE_BWD_NUM_SMS=5 for a 5-CTA grid, so every CTA crosses many tile boundaries.
@@ -64,7 +65,7 @@ def grads_ref(q, k, v, dout, scale, causal, upcast):
         return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
 
 
-def check(c, deterministic=False):
+def check(c, deterministic=False, cfg_overrides=None):
     torch.manual_seed(c["sq"] * 131 + c["sk"] * 7 + c["d"])
     b, sq, sk, h, hk, d, dt = c["b"], c["sq"], c["sk"], c["h"], c["hk"], c["d"], c["dtype"]
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dt)
@@ -76,7 +77,7 @@ def check(c, deterministic=False):
     junk = torch.full((256 << 20,), float("nan"), device="cuda")  # poison recycled memory
     del junk
     dq, dk, dv = backward.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=c["causal"],
-                              deterministic=deterministic)
+                              deterministic=deterministic, cfg_overrides=cfg_overrides)
     torch.cuda.synchronize()
     ref = grads_ref(q, k, v, dout, scale, c["causal"], upcast=True)
     low = grads_ref(q, k, v, dout, scale, c["causal"], upcast=False)
@@ -124,9 +125,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--no-time", action="store_true")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--pdl", action="store_true")
     add_arguments(p)
     args = p.parse_args()
-    run_cases([(tag(c), lambda c=c: check(c, args.deterministic)) for c in cases()], args)
+    ov = {"pdl": True} if args.pdl else None
+    run_cases([(tag(c), lambda c=c: check(c, args.deterministic, ov)) for c in cases()], args)
     if args.list:
         return
     if not args.no_time:

@@ -3,6 +3,7 @@
     python bench/check_varlen_bwd.py                 # every case (< 3 minutes on the H200)
     python bench/check_varlen_bwd.py --only 'd=128'  # cases whose tag contains the string
     python bench/check_varlen_bwd.py --list
+    python bench/check_varlen_bwd.py --pdl           # programmatic dependent launch (cfg.pdl)
 
 The persistent main kernel (experiment): FLASH_CUTE_BWD_PERSISTENT=1 in the environment
 (FLASH_CUTE_BWD_NUM_SMS=5 for a 5-CTA grid: many tiles, skipped ones included, per CTA).
@@ -27,6 +28,8 @@ from case_runner import add_arguments, run_cases  # bench/ is on sys.path as a s
 from check_varlen import cu, unused_rows
 from flash_cute import backward, dispatch, flash_attn_varlen_func
 from flash_cute.reference import attention_ref, check_grads_close
+
+CFG_OVERRIDES = {}  # BwdSm90Config fields for every varlen_bwd call (--pdl)
 
 # (lens_q, lens_k, seqused_q, seqused_k): single tokens, empty sequences, lengths at the 64-row
 # query tile and 128-key block edges, one long sequence among short ones, seqused (with NaN
@@ -104,7 +107,8 @@ def fused(q, k, v, dout, opts, deterministic=False):
     out, lse = dispatch.fwd(q, k, v, **opts)
     junk = torch.full((256 << 20,), float("nan"), device="cuda")  # poison recycled memory
     del junk
-    grads = backward.varlen_bwd(dout, q, k, v, out, lse, deterministic=deterministic, **opts)
+    grads = backward.varlen_bwd(dout, q, k, v, out, lse, deterministic=deterministic,
+                                cfg_overrides=CFG_OVERRIDES, **opts)
     torch.cuda.synchronize()
     return grads
 
@@ -191,8 +195,12 @@ def check(c):
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--pdl", action="store_true")
     add_arguments(p, case_seconds=90.0)
-    run_cases([(tag(c), lambda c=c: check(c)) for c in cases()], p.parse_args())
+    args = p.parse_args()
+    if args.pdl:
+        CFG_OVERRIDES["pdl"] = True
+    run_cases([(tag(c), lambda c=c: check(c)) for c in cases()], args)
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@
     python bench/exp_bwd.py default persistent      # only these, still interleaved
     python bench/exp_bwd.py --d 256 default         # only the shapes of these head dims
     python bench/exp_bwd.py --d 256 default wide_old wide_early_do wide_turns
+    python bench/exp_bwd.py --short default pdl     # short sequences (SHORT_SHAPES)
 A variant is a BwdSm90Config override of the main kernel (or deterministic=True), passed to
 backward.bwd as cfg_overrides: preprocess, postprocess and the host allocations follow its
 tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m").
@@ -17,6 +18,10 @@ is skipped); "dq_last" is the other order. The wide_* variants apply to d=256 on
 per half of d): "wide_old" the layout before (one Q/dO stage, no prefetch, whole dQ tile),
 "wide_early_do" that plus the early dO release, "wide_turns" that plus the per-half dQ
 staging (no second Q stage).
+"pdl" (BwdSm90Config.pdl, kernels/sm90/pdl.py) launches the main kernel and bwd_post as
+programmatic dependents of the kernel before them (their prologues overlap its tail; they
+wait before reading its outputs); "pdl_deterministic" / "pdl_persistent" check it on those
+paths. Compiled only, not yet run on a GPU; its gain is largest at short sequences (--short).
 
 Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA-free), then all
 variants are timed interleaved over several rounds (median per variant), the whole backward
@@ -44,6 +49,9 @@ VARIANTS = {
     "wide_old": {"stages": 1, "do_stages": 0, "dq_per_turn": False},
     "wide_early_do": {"stages": 1, "do_stages": 1, "dq_per_turn": False},
     "wide_turns": {"stages": 1, "do_stages": 0, "dq_per_turn": True},
+    "pdl": {"pdl": True},
+    "pdl_deterministic": {"pdl": True, "deterministic": True},
+    "pdl_persistent": {"pdl": True, "persistent": True},
 }
 ARGS = sys.argv[1:]
 ONLY_D = None
@@ -51,13 +59,22 @@ if "--d" in ARGS:  # --d 192,256
     i = ARGS.index("--d")
     ONLY_D = {int(x) for x in ARGS[i + 1].split(",")}
     del ARGS[i:i + 2]
+SHORT = "--short" in ARGS
+if SHORT:
+    ARGS.remove("--short")
 if ARGS:
     VARIANTS = {n: VARIANTS[n] for n in ARGS}
 SHAPES = [(128, 16384, False), (128, 16384, True), (64, 4096, False), (64, 16384, True),
           (96, 4096, False), (128, 2048, True), (64, 1024, True),
-          # The wide kernel (kernels/sm90/bwd_wide.py): only "default" and "deterministic" apply.
+          # The wide kernel (kernels/sm90/bwd_wide.py): only WIDE_VARIANTS apply.
           (256, 4096, False), (256, 16384, True), (192, 4096, False), (192, 16384, True)]
-WIDE_VARIANTS = ("default", "deterministic")
+# Short sequences (same 16k tokens, more sequences): where the gaps between the three
+# launches and the main kernel's prologue weigh most ("pdl").
+SHORT_SHAPES = [(64, 512, False), (64, 512, True), (128, 512, False), (128, 1024, True),
+                (256, 512, False), (256, 1024, True)]
+if SHORT:
+    SHAPES = SHORT_SHAPES
+WIDE_VARIANTS = ("default", "deterministic", "pdl", "pdl_deterministic")
 WIDE_256_VARIANTS = ("wide_old", "wide_early_do", "wide_turns")  # d=256 only
 ROUNDS = 5
 

@@ -30,6 +30,10 @@ min(tiles, SMs) CTAs that loop over the key-block tiles (kernels/common/schedule
 argument (cached per device), not part of the compile key; ``FLASH_CUTE_BWD_NUM_SMS=n``
 overrides it (checks: many tiles per CTA even at small shapes).
 
+Programmatic dependent launch (opt-in, ``cfg_overrides={"pdl": True}``, BwdSm90Config.pdl;
+compiled, not yet run on a GPU): the main kernel and bwd_post start while the kernel before them
+finishes and wait for it before reading its outputs (kernels/sm90/pdl.py).
+
 The wide kernel (d 192/256) has no persistent variant: ``persistent=True`` raises
 NotImplementedError there, and FLASH_CUTE_BWD_PERSISTENT=1 applies to d 64/96/128 only.
 The wide kernel is checked on the H200 by bench/check_bwd.py and bench/check_varlen_bwd.py
@@ -200,7 +204,8 @@ def _fake_varlen_rows(cfg):
     return (*row_arrays, acc)
 
 
-def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None):
+def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
+                 pdl=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -227,7 +232,7 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
         args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
                 _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
                 _fake_dq_accum(b, h, sq_pad, cfg), *NO_VARLEN_Q)
-    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m), args, keep_cubin)
+    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m, pdl), args, keep_cubin)
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
@@ -270,7 +275,8 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
                           keep_cubin)
 
 
-def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None):
+def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
+                  pdl=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -291,7 +297,7 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
         varlen_args = NO_VARLEN_Q
     if tile_m is None:
         tile_m = BwdSm90Config.for_head_dim(d).tile_m
-    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m),
+    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl),
                           (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
@@ -318,23 +324,25 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                     deterministic: bool = False, varlen: bool = False,
                     persistent: bool = False, cfg_overrides=None):
     """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across the flags
-    and keyed by the main kernel's tile_m (their padding unit). Varlen: (pre, main, post
-    for dq, batched post for the GQA dK/dV sums). ``cfg_overrides``: see bwd_config."""
-    tm = bwd_config(d, cfg_overrides).tile_m
+    and keyed by the main kernel's tile_m (their padding unit) and pdl (how they are
+    chained to it). Varlen: (pre, main, post for dq, batched post for the GQA dK/dV sums).
+    ``cfg_overrides``: see bwd_config."""
+    cfg = bwd_config(d, cfg_overrides)
+    tm, pdl = cfg.tile_m, cfg.pdl
     extra = tuple(sorted((cfg_overrides or {}).items()))
-    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm),
-               lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm))
+    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl),
+               lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
                  extra),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
                                       deterministic=deterministic, varlen=varlen,
                                       persistent=persistent, **(cfg_overrides or {})))
-    post = _get(("bwd_post", arch, dtype_name, d, False, tm),
-                lambda: _compile_post(arch, dtype_name, d, tile_m=tm))
+    post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl),
+                lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
     if not varlen:
         return pre, main, post
-    post_dq = _get(("bwd_post", arch, dtype_name, d, True, tm),
-                   lambda: _compile_post(arch, dtype_name, d, varlen=True, tile_m=tm))
+    post_dq = _get(("bwd_post", arch, dtype_name, d, True, tm, pdl),
+                   lambda: _compile_post(arch, dtype_name, d, varlen=True, tile_m=tm, pdl=pdl))
     return pre, main, post_dq, post
 
 
@@ -352,13 +360,14 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
               persistent: bool = False, **cfg_overrides) -> bytes:
     """The cubin of one backward kernel ("pre", "main" or "post"), for SASS checks;
     ``cfg_overrides``: BwdSm90Config fields of the main kernel (experiments; pre / post
-    take its tile_m)."""
-    tm = cfg_overrides.get("tile_m")
+    take its tile_m and pdl)."""
+    tm, pdl = cfg_overrides.get("tile_m"), cfg_overrides.get("pdl", False)
     if kernel == "pre":
-        compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen, tile_m=tm)
+        compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen, tile_m=tm,
+                                pdl=pdl)
     elif kernel == "post":
         compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen,
-                                 tile_m=tm)
+                                 tile_m=tm, pdl=pdl)
     else:
         compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True,
                                  deterministic=deterministic, varlen=varlen,

@@ -183,6 +183,11 @@ class BwdSm90Config:
     # tile, handed to the dQ warp per turn (per-row bulk reduce-adds): at d=256 this frees the
     # 32 KB of the second Q stage.
     dq_per_turn: bool = False
+    # Programmatic dependent launch (kernels/sm90/pdl.py): the main kernel and bwd_post start
+    # while the kernel before them finishes and wait (griddepcontrol.wait) before reading its
+    # outputs, hiding the launch gaps and the main kernel's prologue. Off until checked and
+    # timed on the H200 (bench/exp_bwd.py "pdl").
+    pdl: bool = False
 
     @property
     def dq_row(self) -> int:

@@ -31,6 +31,9 @@ each looping over tiles blockIdx.x, + gridDim.x, ...; every role walks the same 
 (``each_tile``), so the per-tile protocol below repeats, with the cross-tile points noted
 where they differ.
 
+PDL (``cfg.pdl``, opt-in): the load warp waits for bwd_pre after a tile's K / V loads, the dQ
+warp before its role, a varlen CTA past the last tile before it exits (kernels/sm90/pdl.py).
+
 Warp roles (3 warpgroups, 384 threads):
 
     WG0  load   warp 0, per tile: TMA K and V; then per query block m: Q[m] + LSE_log2[m]
@@ -176,6 +179,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
                              select_modes, transpose_mn)
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
+from . import pdl
 from .pipelines import bulk_reduce_add_f32, make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
@@ -369,7 +373,8 @@ class FlashBwdSm90:
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                     mSeqUsedK, heads_per_section).launch(
             grid=grid,
-            block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+            use_pdl=self.cfg.pdl)
 
     def make_mmas(self):
         """(mma_sdp, mma_dkv, mma_dq): the tiled MMAs of S^T / dP^T, dV / dK and dQ."""
@@ -473,12 +478,16 @@ class FlashBwdSm90:
                     ops = LoadOperands(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
                                        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d)
                     self.load(ops, pipe_kv, pipe_q, pipe_do, tiles)
+                    pdl.launch_dependents(self.cfg.pdl)
                 if warp_idx == DQ_WARP:
+                    pdl.wait_prior(self.cfg.pdl)  # dQaccum is zeroed by bwd_pre
                     self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD,
                          sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tiles)
+        else:
+            pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
 
     def tile_order(self, mQ, mK, mCuSeqlensK, mSeqUsedK, section):
         """(tile number -> (n_block, head, batch), tile count; varlen: a bound). Key blocks
@@ -568,6 +577,7 @@ class FlashBwdSm90:
         pipe_kv.producer_acquire(kv)
         cute.copy(ops.tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
         cute.copy(ops.tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        pdl.wait_prior(self.cfg.pdl)  # LSE_log2 and D are bwd_pre's; K and V are not
         return (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD)
 
     @cute.jit

@@ -21,6 +21,10 @@ Summing the group here rather than with atomics in the main kernel keeps the res
 of CTA timing and needs no zeroed accumulator. Thread mapping: one thread per 8-element vector
 of one output row (16 bytes out, G x 32 bytes in), a flat 1-D grid; sizes and strides are
 runtime values, so one compile serves every shape of a (dtype, head dim).
+
+PDL (``pdl=True``, kernels/sm90/pdl.py): launched as a programmatic dependent of the kernel
+before it (the main kernel, or this one for the GQA sums), so every thread waits for that
+kernel's completion before reading the accumulators.
 """
 from typing import Optional
 
@@ -31,20 +35,24 @@ from cutlass import Float32, const_expr
 
 from ..common import scheduler
 from ..common.seqlen import SeqlenInfo
+from . import pdl
 
 THREADS = 128
 VEC = 8  # elements per thread: 16 bytes of 2-byte output, two 16-byte fp32 loads per head
 
 
 class FlashBwdPostSm90:
-    def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64):
-        """``tile_m``: the main kernel's query tile (varlen: the padded-row unit)."""
+    def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
+                 pdl: bool = False):
+        """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
+        launched as the programmatic dependent of the kernel before it."""
         if head_dim % VEC != 0:
             raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
         self.dtype = dtype
         self.d = head_dim
         self.varlen = varlen
         self.tile_m = tile_m
+        self.pdl = pdl
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
@@ -61,11 +69,13 @@ class FlashBwdPostSm90:
             total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
             grid = [cute.ceil_div(total, THREADS), 1, 1]
         self.kernel(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ).launch(
-            grid=grid, block=[THREADS, 1, 1], stream=stream)
+            grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
                mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor]):
+        pdl.wait_prior(self.pdl)  # the accumulators are the previous kernel's output
+        pdl.launch_dependents(self.pdl)  # a following GQA sum may start its prologue
         if const_expr(self.varlen):
             self.kernel_varlen(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ)
         else:

@@ -28,6 +28,9 @@ instruction of a warp covers 64 contiguous bytes per row: whole 32-byte sectors.
 contiguous elements instead gave each instruction 16-byte pieces 64 or 128 bytes apart, half
 sectors: 147 us vs FA4's 84 us at 16k tokens, 16 heads, d = 128 under ncu.) Memory-bound: it
 reads dO and O once (4 * s * h * d bytes) and writes dQaccum once (4 * s * h * d bytes).
+
+PDL (``pdl=True``, kernels/sm90/pdl.py): a plain launch that lets the main kernel start after
+its O / dO loads; the main kernel waits for its completion before reading its outputs.
 """
 import math
 from typing import Optional
@@ -39,6 +42,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ..common import scheduler
 from ..common.seqlen import SeqlenInfo
+from . import pdl
 
 THREADS = 128
 THREADS_PER_ROW = 4                    # a quad: the row reduction is two shuffles
@@ -48,8 +52,10 @@ LOG2E = math.log2(math.e)
 
 
 class FlashBwdPreSm90:
-    def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64):
-        """``tile_m``: the main kernel's query tile (varlen: the padded-row unit)."""
+    def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
+                 pdl: bool = False):
+        """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
+        the main kernel is launched as its programmatic dependent."""
         if head_dim * dtype.width // 8 % (VEC_BYTES * THREADS_PER_ROW) != 0:
             raise ValueError(f"head_dim {head_dim}: rows must split into {THREADS_PER_ROW} "
                              f"lanes of {VEC_BYTES}-byte vectors")
@@ -57,6 +63,7 @@ class FlashBwdPreSm90:
         self.d = head_dim
         self.varlen = varlen
         self.tile_m = tile_m
+        self.pdl = pdl
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -125,6 +132,7 @@ class FlashBwdPreSm90:
             cute.autovec_copy(gdO, rdO)
             prod = rO.load().to(Float32) * rdO.load().to(Float32)
             dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        pdl.launch_dependents(self.pdl)  # O, dO read: the main kernel's prologue may start
         dot = cute.arch.warp_reduction_sum(dot, threads_in_group=THREADS_PER_ROW)
 
         if row < end:

@@ -90,8 +90,9 @@ Inherited from bwd.py: load warp (K/V once, Q + LSE and dO + D per query block; 
 here only for dO's own ring), dQ warp (DQ_FULL / DQ_EMPTY, one bulk reduce-add per block;
 deterministic semaphores; overridden here only per turn), the causal block range and
 diagonal/ragged masking (block_info with tile_n = 64), GQA (fp32 per-query-head dK / dV
-summed by bwd_post), varlen (tail rows zeroed in shared memory) and the predicated dK / dV
-epilogue. Not supported: the persistent scheduler.
+summed by bwd_post), varlen (tail rows zeroed in shared memory), the predicated dK / dV
+epilogue and the PDL waits (cfg.pdl, kernels/sm90/pdl.py: in load_kv, which this file's
+load also calls, and before dq_reduce). Not supported: the persistent scheduler.
 """
 from functools import partial
 
