@@ -78,6 +78,9 @@ PERSISTENT_ENV = "FLASH_CUTE_BWD_PERSISTENT"
 # Testing: a persistent grid of this many CTAs instead of the SM count, so that small check
 # shapes still put many tiles (and tile boundaries at every parity) on each CTA.
 NUM_SMS_ENV = "FLASH_CUTE_BWD_NUM_SMS"
+# "1" / "0": programmatic dependent launch on / off (BwdSm90Config.pdl) for calls that do not
+# set it in cfg_overrides, e.g. through autograd; unset: the config's default.
+PDL_ENV = "FLASH_CUTE_BWD_PDL"
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 _cache: dict = {}
 _cache_lock = threading.Lock()
@@ -314,6 +317,8 @@ def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:
     for an invalid one (``causal`` given: also one the causal / non-causal kernel does not
     take, BwdSm90Config.check_causal)."""
     cfg = BwdSm90Config.for_head_dim(d)
+    if os.environ.get(PDL_ENV) in ("0", "1"):
+        cfg = dataclasses.replace(cfg, pdl=os.environ[PDL_ENV] == "1")
     cfg = dataclasses.replace(cfg, **cfg_overrides) if cfg_overrides else cfg
     if causal is not None:
         cfg.check_causal(bool(causal))
@@ -333,10 +338,11 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl),
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
-                 extra),
+                 pdl, extra),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
                                       deterministic=deterministic, varlen=varlen,
-                                      persistent=persistent, **(cfg_overrides or {})))
+                                      persistent=persistent,
+                                      **{**(cfg_overrides or {}), "pdl": pdl}))
     post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
     if not varlen:
