@@ -102,6 +102,7 @@ def test_pdl_compile_keys(monkeypatch):
                      ("pre", True), ("main", True), ("post", True), ("post", True)]
     calls.clear()
     monkeypatch.setenv(backward.PDL_ENV, "1")
+    monkeypatch.setattr(backward, "_cache", {})
     backward.get_bwd_kernels(ARCH, "BFloat16", 128, True, True)
     assert calls == [("pre", True), ("main", True), ("post", True)]
 
