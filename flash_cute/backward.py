@@ -78,9 +78,9 @@ PERSISTENT_ENV = "FLASH_CUTE_BWD_PERSISTENT"
 # Testing: a persistent grid of this many CTAs instead of the SM count, so that small check
 # shapes still put many tiles (and tile boundaries at every parity) on each CTA.
 NUM_SMS_ENV = "FLASH_CUTE_BWD_NUM_SMS"
-# "1" / "0": programmatic dependent launch on / off (BwdSm90Config.pdl) for calls that do not
-# set it in cfg_overrides, e.g. through autograd; unset: the config's default.
-PDL_ENV = "FLASH_CUTE_BWD_PDL"
+# Experiments through autograd (which passes no cfg_overrides): "field=value,..." over the
+# shipped BwdSm90Config, e.g. FLASH_CUTE_BWD_CONFIG="pdl=1"; cfg_overrides still win.
+CONFIG_ENV = "FLASH_CUTE_BWD_CONFIG"
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 _cache: dict = {}
 _cache_lock = threading.Lock()
@@ -311,14 +311,37 @@ def _get(key, build):
         return _cache[key]
 
 
+def env_overrides() -> dict:
+    """BwdSm90Config fields from FLASH_CUTE_BWD_CONFIG ("pdl=1,dq_first=0"), typed like the
+    field's default; ValueError naming the variable for an unknown field or a bad value."""
+    spec = os.environ.get(CONFIG_ENV, "").strip()
+    fields = {f.name: f.default for f in dataclasses.fields(BwdSm90Config)}
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"{CONFIG_ENV}={spec!r}: {item!r} is not field=value of a "
+                             f"BwdSm90Config field ({', '.join(fields)})")
+        kind = type(fields[name])
+        if kind is bool:
+            if value not in ("0", "1"):
+                raise ValueError(f"{CONFIG_ENV}={spec!r}: {name} takes 0 or 1, not {value!r}")
+            out[name] = value == "1"
+        else:
+            try:
+                out[name] = kind(value)
+            except ValueError:
+                raise ValueError(f"{CONFIG_ENV}={spec!r}: {name} takes a {kind.__name__}, "
+                                 f"not {value!r}") from None
+    return out
+
+
 def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:
     """The main kernel's config: the shipped one for head dim d, with ``cfg_overrides``
     (BwdSm90Config fields, experiments: e.g. {"tile_m": 128, "dq_split": "m"}). ValueError
     for an invalid one (``causal`` given: also one the causal / non-causal kernel does not
     take, BwdSm90Config.check_causal)."""
-    cfg = BwdSm90Config.for_head_dim(d)
-    if os.environ.get(PDL_ENV) in ("0", "1"):
-        cfg = dataclasses.replace(cfg, pdl=os.environ[PDL_ENV] == "1")
+    cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **env_overrides())
     cfg = dataclasses.replace(cfg, **cfg_overrides) if cfg_overrides else cfg
     if causal is not None:
         cfg.check_causal(bool(causal))
@@ -334,15 +357,15 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     ``cfg_overrides``: see bwd_config."""
     cfg = bwd_config(d, cfg_overrides)
     tm, pdl = cfg.tile_m, cfg.pdl
-    extra = tuple(sorted((cfg_overrides or {}).items()))
+    overrides = {**env_overrides(), **(cfg_overrides or {})}
+    extra = tuple(sorted(overrides.items()))
     pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl),
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
-                 pdl, extra),
+                 extra),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
                                       deterministic=deterministic, varlen=varlen,
-                                      persistent=persistent,
-                                      **{**(cfg_overrides or {}), "pdl": pdl}))
+                                      persistent=persistent, **overrides))
     post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
     if not varlen:

@@ -86,7 +86,7 @@ def test_pre_post_pdl(varlen, tmp_path, monkeypatch):
 
 
 def test_pdl_compile_keys(monkeypatch):
-    """pre / post follow the main kernel's pdl (their own cache entries); FLASH_CUTE_BWD_PDL
+    """pre / post follow the main kernel's pdl (their own cache entries); FLASH_CUTE_BWD_CONFIG
     sets it for calls without an override."""
     calls = []
 
@@ -98,10 +98,10 @@ def test_pdl_compile_keys(monkeypatch):
         monkeypatch.setattr(backward, f"_compile_{kind}", stub(kind))
     backward.get_bwd_kernels(ARCH, "BFloat16", 128, True, True, varlen=True)
     backward.get_bwd_kernels(ARCH, "BFloat16", 128, True, True, varlen=True, cfg_overrides=PDL)
-    assert calls == [("pre", False), ("main", False), ("post", False), ("post", False),
+    assert calls == [("pre", False), ("main", None), ("post", False), ("post", False),
                      ("pre", True), ("main", True), ("post", True), ("post", True)]
     calls.clear()
-    monkeypatch.setenv(backward.PDL_ENV, "1")
+    monkeypatch.setenv(backward.CONFIG_ENV, "pdl=1")
     monkeypatch.setattr(backward, "_cache", {})
     backward.get_bwd_kernels(ARCH, "BFloat16", 128, True, True)
     assert calls == [("pre", True), ("main", True), ("post", True)]
@@ -126,3 +126,18 @@ def test_tvm_ffi_launch_uses_pdl(tmp_path):
             attrs += re.findall(r"programmatic_stream_serialization_allowed\[\S+\] %c(\d)_i32",
                                 text)
     assert sorted(attrs) == ["0", "1"], attrs
+
+
+@pytest.mark.parametrize("spec,message", [("pdl=2", "0 or 1"), ("bogus=1", "not field=value"),
+                                          ("tile_m=x", "takes a int"), ("pdl", "field=value")])
+def test_config_env_rejects(spec, message, monkeypatch):
+    monkeypatch.setenv(backward.CONFIG_ENV, spec)
+    with pytest.raises(ValueError, match=message):
+        backward.bwd_config(128)
+
+
+def test_config_env_applies(monkeypatch):
+    monkeypatch.setenv(backward.CONFIG_ENV, " pdl=1, stages=2 ")
+    cfg = backward.bwd_config(128)
+    assert cfg.pdl and cfg.stages == 2
+    assert not backward.bwd_config(128, {"pdl": False}).pdl  # overrides win
