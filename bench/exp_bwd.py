@@ -21,13 +21,19 @@ staging (no second Q stage).
 "pdl" (BwdSm90Config.pdl, kernels/sm90/pdl.py) launches the main kernel and bwd_post as
 programmatic dependents of the kernel before them (their prologues overlap its tail; they
 wait before reading its outputs); "pdl_deterministic" / "pdl_persistent" check it on those
-paths. Compiled only, not yet run on a GPU; its gain is largest at short sequences (--short).
+paths (timed at short sequences, --short: no gain, off).
+"tma_epi" (BwdSm90Config.tma_epilogue, every head dim) stages dK /
+dV in sK / sV and stores them by TMA (docs/bwd_vs_fa4.md P3; compiled, not yet run on a GPU);
+"tma_epi_persistent" with the persistent kernel (K / V released after the TMA stores' reads;
+FLASH_CUTE_BWD_NUM_SMS=5 puts many tiles on each CTA of the checks, and of the timings too).
+Their varlen path (16-byte row stores instead of TMA) is checked as well: VARLEN_CHECKED.
 
 Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA-free), then all
 variants are timed interleaved over several rounds (median per variant), the whole backward
 (pre + main + post) per call, so clock drift hits all alike. Shapes: (d, seqlen, causal) with
 b = 16384 / seqlen, h = 2048 / d (16k tokens, model width 2048).
 """
+import itertools
 import sys
 
 import torch
@@ -52,7 +58,12 @@ VARIANTS = {
     "pdl": {"pdl": True},
     "pdl_deterministic": {"pdl": True, "deterministic": True},
     "pdl_persistent": {"pdl": True, "persistent": True},
+    "tma_epi": {"tma_epilogue": True},
+    "tma_epi_persistent": {"tma_epilogue": True, "persistent": True},
 }
+# Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
+# sequences ending inside a key block, next to each other, with NaN in recycled memory.
+VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256
@@ -74,16 +85,35 @@ SHORT_SHAPES = [(64, 512, False), (64, 512, True), (128, 512, False), (128, 1024
                 (256, 512, False), (256, 1024, True)]
 if SHORT:
     SHAPES = SHORT_SHAPES
-WIDE_VARIANTS = ("default", "deterministic", "pdl", "pdl_deterministic")
+WIDE_VARIANTS = ("default", "deterministic", "pdl", "pdl_deterministic", "tma_epi")
 WIDE_256_VARIANTS = ("wide_old", "wide_early_do", "wide_turns")  # d=256 only
 ROUNDS = 5
 
 
-def grads(q, k, v, dout, causal, upcast):
+def grads(q, k, v, dout, upcast, **opts):
     with torch.enable_grad():
         leaves = [(t.float() if upcast else t).detach().requires_grad_() for t in (q, k, v)]
-        out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
+        out, _ = attention_ref(*leaves, upcast=upcast, **opts)
         return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
+
+
+def check_varlen(d, causal, det, pers, ov):
+    """varlen_bwd vs the fp32 oracle: non-GQA (GQA keeps the register epilogue), sequences
+    ending inside a key block next to each other, one with keys but no queries."""
+    lens_q, lens_k = [333, 1, 129, 0, 64], [517, 130, 1, 5, 200]
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device="cuda")
+                  for n in (lens_q, lens_k))
+    q, dout = (torch.randn(sum(lens_q), 4, d, device="cuda", dtype=torch.bfloat16)
+               for _ in range(2))
+    k, v = (torch.randn(sum(lens_k), 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    opts = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, softmax_scale=d ** -0.5, causal=causal)
+    lengths = dict(max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    out, lse = dispatch.fwd(q, k, v, **lengths, **opts)
+    junk = torch.full((256 << 20,), float("nan"), device="cuda")  # poison recycled memory
+    del junk
+    got = backward.varlen_bwd(dout, q, k, v, out, lse, deterministic=det, persistent=pers,
+                              cfg_overrides=ov, **lengths, **opts)
+    check_grads_close(got, *(grads(q, k, v, dout, up, **opts) for up in (True, False)))
 
 
 for d, s, causal in SHAPES:
@@ -98,7 +128,7 @@ for d, s, causal in SHAPES:
     qs, ks, vs, dos = (t[:2, :333] for t in (q, k, v, dout))
     ks, vs = (torch.randn(qs.shape[0], 517, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     outs, lses = dispatch.fwd(qs, ks, vs, softmax_scale=scale, causal=causal)
-    ref, low = (grads(qs, ks, vs, dos, causal, up) for up in (True, False))
+    ref, low = (grads(qs, ks, vs, dos, up, causal=causal) for up in (True, False))
     fns = {}
     for name, kw in VARIANTS.items():
         if name in WIDE_256_VARIANTS:
@@ -117,6 +147,8 @@ for d, s, causal in SHAPES:
             got = backward.bwd(dos, qs, ks, vs, outs, lses, softmax_scale=scale, causal=causal,
                                deterministic=det, persistent=pers, cfg_overrides=ov)
             check_grads_close(got, ref, low)
+            if name in VARLEN_CHECKED:
+                check_varlen(d, causal, det, pers, ov)
         except AssertionError as e:
             print(f"d={d} causal={int(causal)} {name}: FAIL {str(e)[:300]}", flush=True)
             continue

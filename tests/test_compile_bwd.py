@@ -19,6 +19,7 @@ from flash_cute import backward
 from flash_cute.config import BWD_SUPPORTED_HEAD_DIMS, BWD_WIDE_HEAD_DIMS, BwdSm90Config
 from flash_cute.kernels.common import block_info
 from flash_cute.kernels.common.seqlen import pad_offset
+from flash_cute.kernels.sm90.bwd import NUM_MMA_WG, WG_THREADS
 from flash_cute.reference import attention_ref
 
 from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_opcodes
@@ -30,6 +31,7 @@ def _arch():
 
 
 VARIANTS = [v for v in backward.bwd_variants() if not v[-1] or v[0] == "BFloat16"]
+MMA_THREADS = NUM_MMA_WG * WG_THREADS
 
 
 # Persistent (not in the wide kernel, d 192/256): every default-config variant, plus
@@ -154,6 +156,49 @@ def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, dq_first, tmp_path
     extra = {"dq_first": True} if dq_first else {}
     check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa, varlen=varlen,
                                  persistent=persistent, **extra), tmp_path)
+
+
+# cfg.tma_epilogue (opt-in): dK / dV staged in sK / sV, then TMA stores (varlen: 16-byte row
+# stores). Columns: dtype, d, causal, gqa, deterministic, varlen, persistent; d=256 is the wide
+# kernel (64-key tiles).
+TMA_EPI_VARIANTS = [
+    ("BFloat16", 128, True, False, False, False, False),
+    ("Float16", 64, False, False, True, False, False),
+    ("BFloat16", 96, True, False, False, False, True),
+    ("BFloat16", 128, False, False, False, True, True),
+    ("BFloat16", 256, True, False, False, True, False)]
+
+
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,varlen,persistent", TMA_EPI_VARIANTS,
+                         ids=lambda v: str(v))
+def test_bwd_main_tma_epilogue_compiles(dtype, d, causal, gqa, deterministic, varlen,
+                                        persistent, tmp_path, monkeypatch):
+    """ptxas-clean (no spills, wgmma not serialized), the main loop's HGMMA unchanged, and the
+    epilogue through shared memory: one stmatrix per 8 elements of dK and dV per thread, then
+    TMA stores and no global store (varlen: 16-byte stores only, none of 4 bytes)."""
+    monkeypatch.chdir(tmp_path)
+    args = (dtype, d, causal, gqa, deterministic)
+    ptx = backward.bwd_ptx(ARCH, *args, varlen=varlen, persistent=persistent, tma_epilogue=True)
+    check_ptxas(ptx, tmp_path)
+    ops = sass_opcodes((tmp_path / "k.o").read_bytes(), tmp_path)  # ptxas's cubin
+    check_main_sass(ops)
+    default = sass_opcodes(main_cubin(*args, varlen, persistent), tmp_path)
+    assert ops["HGMMA"] == default["HGMMA"], (ops["HGMMA"], default["HGMMA"])
+    tile_elems = BwdSm90Config.for_head_dim(d).tile_n * d  # of dK (and of dV)
+    assert ops["STSM"] - default.get("STSM", 0) == 2 * tile_elems // (8 * MMA_THREADS), ops
+    if varlen:
+        assert ops.get("UTMASTG", 0) == 0
+        assert ops["STG"] == 2 * tile_elems * 2 // (16 * MMA_THREADS), ops  # 16-byte stores
+    else:
+        assert ops.get("UTMASTG", 0) > 0 and ops.get("STG", 0) == 0, ops
+
+
+def test_bwd_tma_epilogue_off_by_default_and_gqa_unchanged(tmp_path, monkeypatch):
+    """Off in every shipped config; with GQA (fp32 dK / dV) the flag changes nothing."""
+    monkeypatch.chdir(tmp_path)
+    assert not any(BwdSm90Config.for_head_dim(d).tma_epilogue for d in BWD_SUPPORTED_HEAD_DIMS)
+    args = (ARCH, "BFloat16", 128, True, True)
+    assert backward.bwd_ptx(*args, tma_epilogue=True) == backward.bwd_ptx(*args)
 
 
 # The wide kernel (d 192/256): every variant through ptxas, batched and varlen.

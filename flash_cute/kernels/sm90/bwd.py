@@ -45,7 +45,7 @@ Warp roles (3 warpgroups, 384 threads):
                                           }   per cfg.dq_split) -> sdQ (fp32)
                                           } per tile: zero dK / dV, ..., release K/V
                                           }   (persistent), epilogue: dK * scale, dV ->
-                                          }   global (predicated)
+                                          }   global (predicated; cfg.tma_epilogue: below)
                 setmaxnreg 240.
     WG0  dQ     warp 1: per query block, sdQ -> dQaccum rows with cp.reduce.async.bulk .add.f32.
 
@@ -57,6 +57,8 @@ empty barrier: one arrive per consumer warp, 8):
              the mma warps release it after the tile's last m_step, whose dQ wgmma (the last
              reader of sK; sV's last is that block's dP^T) they have waited on, so the next
              tile's K/V load runs under this tile's epilogue (registers -> global, no smem).
+             cfg.tma_epilogue (dK / dV staged in sK / sV): the storing warp alone releases
+             it, once its TMA stores have read them (varlen: the 8 warps, after their stores).
     pipe_q   load -> 8 mma warps, `stages` stages: Q tile + LSE_log2 tile on one barrier.
     pipe_do  load -> 8 mma warps, `stages` stages: dO tile + D tile on one barrier.
     pipe_q and pipe_do advance in lockstep, so one PipelineState (index, phase) per side serves
@@ -70,10 +72,11 @@ Named barriers (``Barrier``): DS_READY (256) makes both warpgroups' stmatrix wri
 visible (after fence.proxy.async) before the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY
 (256 + 32) hand sdQ between the mma warpgroups and the dQ warp, one of each per query block
 (dq_tile says how the dQ warp's arrives stay matched, also across persistent tiles); TAIL
-(256, varlen) orders the zeroing of rows past a sequence before any wgmma reads them. All
-are per query block or per tile and used by both warpgroups alike, so they repeat across
-tiles unchanged. sdS's two buffers alternate by the CTA's running block count (not m_block,
-which may restart at the same parity in the next tile).
+(256, varlen) orders the zeroing of rows past a sequence before any wgmma reads them;
+KV_FREE, DKV_STAGED: cfg.tma_epilogue (below). All are per query block or per tile and used
+by both warpgroups alike, so they repeat across tiles unchanged. sdS's two buffers alternate
+by the CTA's running block count (not m_block, which may restart at the same parity in the
+next tile).
 
 Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 
@@ -159,6 +162,14 @@ Expected slow parts (to measure first): the dQ red.add traffic (2 * 64 * d atomi
 block per CTA, no overlap with this warpgroup's wgmma because the dQ wgmma is waited on before
 the atomics), the serialized dQ chunks, tile_m = 64 (S^T and dP^T wgmma have N = 64, half the
 forward's), and the tile epilogue (scalar predicated stores of dK/dV).
+
+``cfg.tma_epilogue`` (opt-in, docs/bwd_vs_fa4.md P3; compiled, not yet run on a GPU): dK * scale
+and dV, converted to the input dtype, are staged in sK / sV (no extra shared memory) with
+stmatrix once KV_FREE (256) says no wgmma reads them any more (dQ reads all of sK), then leave
+by one TMA store per tile (clipped at seqlen_k), issued by the first mma warp after DKV_STAGED
+(it waits, the others arrive and move on); varlen by predicated 16-byte row stores of the rows
+inside the sequence (a TMA box would write the next one's). GQA keeps the register stores
+(fp32: twice sK / sV's bytes). kernels/sm90/epilogue.py, store_staged.
 """
 import enum
 from dataclasses import dataclass
@@ -180,6 +191,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import pdl
+from .epilogue import store_acc_rows, store_staged
 from .pipelines import bulk_reduce_add_f32, make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
@@ -192,6 +204,7 @@ SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 DQ_WARP = 1          # warp of WG0 that issues the dQ bulk reductions
 DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
+STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
 
 
 class Barrier(enum.IntEnum):
@@ -200,6 +213,9 @@ class Barrier(enum.IntEnum):
     DQ_FULL = 2       # mma warpgroups -> dQ warp: the sdQ tile is written
     DQ_EMPTY = 3      # dQ warp -> mma warpgroups: the bulk reduce has read sdQ
     TAIL = 4          # varlen: rows past a sequence are zeroed in sK/sV or sQ/sdO
+    P_READY = 5       # wide kernel (bwd_wide.py): both warpgroups' P^T columns are in sP
+    KV_FREE = 6       # staged epilogue: no wgmma reads sK / sV any more
+    DKV_STAGED = 7    # staged epilogue: dK / dV are in sK / sV
 
 
 @dataclass(frozen=True)
@@ -255,6 +271,16 @@ class LoadOperands:
     tma_d: cute.CopyAtom
 
 
+@dataclass(frozen=True)
+class DkvOut:
+    """Where dK and dV go: the global tensors (staged batched epilogue: their TMA views) and
+    the TMA store atoms (None unless the epilogue stores by TMA)."""
+    mdK: cute.Tensor
+    mdV: cute.Tensor
+    tma_dk: Optional[cute.CopyAtom]
+    tma_dv: Optional[cute.CopyAtom]
+
+
 class FlashBwdSm90:
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
 
@@ -288,6 +314,12 @@ class FlashBwdSm90:
         # query block from an opaque thread index instead of held live across the loop (they
         # spilled; see the module docstring).
         self.remat_tid = self.tile_m > KEYS_PER_WG
+
+    @property
+    def staged_dkv(self) -> bool:
+        """cfg.tma_epilogue where dK / dV have the input dtype: GQA's fp32 per-query-head
+        outputs (twice sK / sV's bytes) keep the register stores."""
+        return self.cfg.tma_epilogue and self.dkv_dtype == self.dtype
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
@@ -342,6 +374,12 @@ class FlashBwdSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(tm), (tm,))
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mD, cute.make_layout(tm), (tm,))
+        tma_dk = tma_dv = None  # staged epilogue, batched: TMA stores of dK / dV from sK / sV
+        if const_expr(self.staged_dkv and not self.varlen):
+            tma_dk, mdK = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
+            tma_dv, mdV = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
         q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
         self.q_stage_bytes = q_bytes + tm * 4        # Q (or dO) tile + LSE (or D) row
         self.kv_bytes = 2 * cute.size_in_bytes(dt, sK_layout)
@@ -371,7 +409,7 @@ class FlashBwdSm90:
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                    mSeqUsedK, heads_per_section).launch(
+                    mSeqUsedK, heads_per_section, tma_dk, tma_dv).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -437,15 +475,21 @@ class FlashBwdSm90:
                sdQ_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-               mSeqUsedK: Optional[cute.Tensor], section: Int32):
+               mSeqUsedK: Optional[cute.Tensor], section: Int32,
+               tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d):
-                cpasync.prefetch_descriptor(atom)
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv):
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
+        # K/V, once the stores have read them.
+        kv_releasers = (1,) if const_expr(self.persistent and self.staged_dkv and
+                                          not self.varlen) else ()
         pipe_kv, pipe_q, pipe_do = make_tma_pipelines(
-            [(storage.mbar_kv, 1, self.kv_bytes),
+            [(storage.mbar_kv, 1, self.kv_bytes, *kv_releasers),
              (storage.mbar_q, self.cfg.stages, self.q_stage_bytes),
              (storage.mbar_do, self.cfg.num_do_stages, self.q_stage_bytes)], NUM_MMA_WG * 4)
 
@@ -484,8 +528,9 @@ class FlashBwdSm90:
                     self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
-                self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sD,
-                         sdQ, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tiles)
+                self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv), sQ, sK, sV,
+                         sdO, sdS, sLSE, sD, sdQ, pipe_kv, pipe_q, pipe_do, scale_log2,
+                         dk_scale, tiles)
         else:
             pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
 
@@ -608,10 +653,9 @@ class FlashBwdSm90:
 
     @cute.jit
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-            mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-            sV: cute.Tensor, sdO: cute.Tensor, sdS: cute.Tensor, sLSE: cute.Tensor,
-            sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv, pipe_q, pipe_do, scale_log2: Float32,
-            dk_scale: Float32, tiles):
+            dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
+            sdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
+            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles):
         """MMA warpgroups: per tile, the loop over query blocks, then the dK / dV epilogue."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
@@ -678,7 +722,7 @@ class FlashBwdSm90:
 
         frags = (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO,
                  tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
-        body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, mdK, mdV, sQ, sK, sV,
+        body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
@@ -686,10 +730,10 @@ class FlashBwdSm90:
 
     @cute.jit
     def mma_tile(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-                 frags, mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-                 sV: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv,
-                 pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tidx: Int32,
-                 wg: Int32, tile: KeyTile, states):
+                 frags, dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                 sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv, pipe_q, pipe_do,
+                 scale_log2: Float32, dk_scale: Float32, tidx: Int32, wg: Int32, tile: KeyTile,
+                 states):
         """One tile: zero dK / dV, the query blocks, the epilogue; returns the advanced
         (kv, q/dO) consumer states."""
         tm, tn = self.tile_m, self.tile_n
@@ -718,15 +762,16 @@ class FlashBwdSm90:
             st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
                              q_tail, q_tail_rows)
-        if const_expr(self.persistent):
+        if const_expr(self.persistent and not self.staged_dkv):
             # The last reads of sK / sV (the dQ wgmma) were waited on in the last m_step: the
             # load warp may bring the next tile's K and V in under this epilogue.
             pipe_kv.consumer_release(kv)
+        tile_kv = kv.clone()  # staged epilogue (persistent): released once sK / sV are read
         kv.advance()
         if const_expr(self.remat_tid):
             tidx = opaque_thread_idx() - WG_THREADS
-        self.epilogue(mma_dkv, tdKrdK, tdVrdV, mdK, mdV, dk_scale, tidx, n_block, tile.head,
-                      tile.batch, seq)
+        self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
+                      tile_kv)
         return kv, st
 
     @cute.jit
@@ -983,27 +1028,32 @@ class FlashBwdSm90:
 
     @cute.jit
     def epilogue(self, mma_dkv: cute.TiledMma, tdKrdK: cute.Tensor, tdVrdV: cute.Tensor,
-                 mdK: cute.Tensor, mdV: cute.Tensor, dk_scale: Float32, tidx: Int32,
-                 n_block: Int32, head: Int32, batch: Int32, seq: SeqlenInfo):
-        """dK * scale and dV -> global, straight from registers, rows past seqlen_k skipped
-        (varlen: they belong to the next sequence)."""
+                 dkv: DkvOut, sK: cute.Tensor, sV: cute.Tensor, dk_scale: Float32, tidx: Int32,
+                 tile: KeyTile, pipe_kv, kv):
+        """dK * scale and dV -> global, rows past seqlen_k skipped (varlen: they belong to the
+        next sequence): straight from registers, or (``staged_dkv``) through sK / sV."""
         tn, d = self.tile_n, self.d
+        n_block, seq = tile.n_block, tile.seq
         tdKrdK.store(tdKrdK.load() * dk_scale)
-        cKV = cute.make_identity_tensor((tn, d))
-        tdKVcKV = acc_as_mn(mma_dkv.get_slice(tidx).partition_C(cKV))
-        gdK = cute.local_tile(seq.k_rows(mdK, head, batch), (tn, d), (n_block, 0))
-        gdV = cute.local_tile(seq.k_rows(mdV, head, batch), (tn, d), (n_block, 0))
-        self.store_rows(tdKrdK, gdK, tdKVcKV, n_block, seq.seqlen_k)
-        self.store_rows(tdVrdV, gdV, tdKVcKV, n_block, seq.seqlen_k)
-
-    @cute.jit
-    def store_rows(self, acc: cute.Tensor, gOut: cute.Tensor, tcOut: cute.Tensor,
-                   n_block: Int32, seqlen_k: Int32):
-        out = cute.make_rmem_tensor_like(acc, self.dkv_dtype)
-        out.store(acc.load().to(self.dkv_dtype))
-        out_mn = acc_as_mn(out)
-        for r in cutlass.range_constexpr(cute.size(out_mn, mode=[0])):
-            row = tcOut[r, 0][0]
-            if n_block * self.tile_n + row < seqlen_k:
-                for c in cutlass.range_constexpr(cute.size(out_mn, mode=[1])):
-                    gOut[row, tcOut[r, c][1]] = out_mn[r, c]
+        if const_expr(self.staged_dkv):
+            gdK, gdV = [cute.local_tile(seq.k_rows(t, tile.head, tile.batch), (tn, d),
+                                        (n_block, 0)) for t in (dkv.mdK, dkv.mdV)]
+            # sK / sV are free once no wgmma reads them: each warpgroup waited for its last
+            # (dQ reads all of sK) in its last m_step, and KV_FREE gathers both. Persistent:
+            # the next tile's K / V load waits for this release.
+            store_staged(mma_dkv, (tdKrdK, tdVrdV), (sK, sV), (gdK, gdV), tidx,
+                         NUM_MMA_WG * WG_THREADS, int(Barrier.KV_FREE),
+                         int(Barrier.DKV_STAGED), STORE_WARP,
+                         None if const_expr(self.varlen) else (dkv.tma_dk, dkv.tma_dv),
+                         seq.seqlen_k - n_block * tn,
+                         partial(pipe_kv.consumer_release, kv) if const_expr(self.persistent)
+                         else None)
+        else:  # its own gdK / gdV, in the measured order (shared, d=256's PTX changed)
+            cKV = cute.make_identity_tensor((tn, d))
+            tdKVcKV = acc_as_mn(mma_dkv.get_slice(tidx).partition_C(cKV))
+            gdK = cute.local_tile(seq.k_rows(dkv.mdK, tile.head, tile.batch), (tn, d),
+                                  (n_block, 0))
+            gdV = cute.local_tile(seq.k_rows(dkv.mdV, tile.head, tile.batch), (tn, d),
+                                  (n_block, 0))
+            store_acc_rows(tdKrdK, gdK, tdKVcKV, n_block, tn, seq.seqlen_k, self.dkv_dtype)
+            store_acc_rows(tdVrdV, gdV, tdKVcKV, n_block, tn, seq.seqlen_k, self.dkv_dtype)

@@ -90,9 +90,11 @@ Inherited from bwd.py: load warp (K/V once, Q + LSE and dO + D per query block; 
 here only for dO's own ring), dQ warp (DQ_FULL / DQ_EMPTY, one bulk reduce-add per block;
 deterministic semaphores; overridden here only per turn), the causal block range and
 diagonal/ragged masking (block_info with tile_n = 64), GQA (fp32 per-query-head dK / dV
-summed by bwd_post), varlen (tail rows zeroed in shared memory), the predicated dK / dV
-epilogue and the PDL waits (cfg.pdl, kernels/sm90/pdl.py: in load_kv, which this file's
-load also calls, and before dq_reduce). Not supported: the persistent scheduler.
+summed by bwd_post), varlen (tail rows zeroed in shared memory), the PDL waits (cfg.pdl,
+kernels/sm90/pdl.py: in load_kv, which this file's load also calls, and before dq_reduce) and
+the dK / dV epilogue: predicated from registers, or with cfg.tma_epilogue staged in sK / sV
+(64 x d; here both warpgroups read all of sK and sV, which KV_FREE covers as well) and
+TMA-stored. Not supported: the persistent scheduler.
 """
 from functools import partial
 
@@ -104,13 +106,12 @@ from cutlass.cute.nvgpu import warp, warpgroup
 
 from ...config import BwdSm90Config
 from ..common.layout import acc_as_mn, transpose_mn
-from .bwd import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, FlashBwdSm90, KeyTile,
+from .bwd import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, FlashBwdSm90, KeyTile,
                   LoadOperands)
 from .pipelines import bulk_reduce_add_f32
 from .wgmma import gemm, make_smem_layout
 
 KEYS = 64                        # the key block both warpgroups share: one wgmma M
-P_READY = int(Barrier.TAIL) + 1  # named barrier: both warpgroups' P^T columns are in sP
 P_BUF, DS_BUF = 0, 1             # buffers of the (64, 64, 2) sP/sdS tile the base kernel allocates
 MMA_THREADS = NUM_MMA_WG * WG_THREADS
 LANES = 32                       # the dQ warp: per turn, each lane reduces tile_m / 32 rows
@@ -179,10 +180,9 @@ class FlashBwdWideSm90(FlashBwdSm90):
     # ---------------------------------------------------------------------------- device
     @cute.jit
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-            mdK: cute.Tensor, mdV: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor,
-            sV: cute.Tensor, sdO: cute.Tensor, sPdS: cute.Tensor, sLSE: cute.Tensor,
-            sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv, pipe_q, pipe_do, scale_log2: Float32,
-            dk_scale: Float32, tiles):
+            dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
+            sPdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
+            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles):
         """MMA warpgroups: the per-thread fragments, then bwd.py's tile loop (mma_tile) with
         this class's m_step."""
         tm, d, chunk = self.tile_m, self.d, self.cfg.dq_chunk
@@ -238,7 +238,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
         frags = (tSrS, tdPrdP, rP, rdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP,
                  tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, thr_store, tPsPdS, tScS,
                  t0ScS)
-        body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, mdK, mdV, sQ, sK, sV,
+        body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
@@ -268,7 +268,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
         rP.store(tSrS.load().to(self.dtype))
         cute.copy(thr_store, thr_store.retile(rP), tPsPdS[None, None, None, P_BUF])
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
-        cute.arch.barrier(barrier_id=P_READY, number_of_threads=MMA_THREADS)
+        cute.arch.barrier(barrier_id=int(Barrier.P_READY), number_of_threads=MMA_THREADS)
         gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s_do], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
 

@@ -86,7 +86,7 @@ import cutlass.memory
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...config import FwdSm90Config
 from ..common import block_info, scheduler
@@ -95,6 +95,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, row_copy, select_modes
 from ..common.mask import apply_mask
 from ..common.seqlen import SeqlenInfo
 from ..common.softmax import OnlineSoftmax, rescale_rows
+from .epilogue import stmatrix_acc, store_smem_rows, tma_store
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
@@ -527,10 +528,7 @@ class FlashFwdSm90:
         rO = cute.make_rmem_tensor_like(tOrO, self.dtype)
         rO.store(tOrO.load().to(self.dtype))
 
-        store_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                         self.dtype)
-        thr_store = cute.make_tiled_copy_C(store_atom, mma_pv).get_slice(tidx)
-        cute.copy(thr_store, thr_store.retile(rO), thr_store.partition_D(sO))
+        stmatrix_acc(mma_pv, rO, sO, tidx)
 
         # LSE: the thread holding column 0 of a row writes it.
         thr_mma = mma_pv.get_slice(tidx)
@@ -545,7 +543,11 @@ class FlashFwdSm90:
         if const_expr(self.varlen):
             gO = cute.local_tile(seq.q_rows(mO, head, batch), (self.tile_m, self.d),
                                  (m_block, 0))
-            self.store_rows(sO, gO, seqlen_q - m_block * self.tile_m, tidx)
+            rows = seqlen_q - m_block * self.tile_m
+            # sO complete, then each thread's 16-byte pieces of the sequence's rows.
+            cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE),
+                              number_of_threads=self.num_consumer_threads)
+            store_smem_rows(sO, gO, rows, tidx, self.num_consumer_threads)
         else:
             # Make the stmatrix writes visible to the TMA (async proxy), then one warp stores.
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -557,31 +559,10 @@ class FlashFwdSm90:
                                   number_of_threads=store_threads)
                 gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d),
                                      (m_block, 0))
-                tOsO, tOgO = tma_split(tma_o, sO, gO)
-                cute.copy(tma_o, tOsO, tOgO)
+                tma_store(tma_o, sO, gO)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 if const_expr(self.cfg.persistent):
                     # The other warps' last sQ reads (QK^T) precede their sO writes, which
                     # precede the EPILOGUE barrier: this warp alone may release Q.
                     pipe_q.consumer_release(q)
-
-    @cute.jit
-    def store_rows(self, sO: cute.Tensor, gO: cute.Tensor, rows: Int32, tidx: Int32):
-        """Varlen: the tile's first ``rows`` rows of sO -> gO, 16 bytes per thread per store.
-
-        A TMA box would also write the rows past the sequence, which belong to the next one.
-        """
-        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE),
-                          number_of_threads=self.num_consumer_threads)  # sO complete
-        copy, threads = row_copy(self.dtype, self.tile_m, self.d, self.num_consumer_threads)
-        if tidx < threads:
-            thr = copy.get_slice(tidx)
-            tOsO = thr.partition_S(sO)
-            tOgO = thr.partition_D(gO)
-            tOcO = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
-            tOrO = cute.make_rmem_tensor_like(tOsO)
-            cute.copy(copy, tOsO, tOrO)
-            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-                if tOcO[0, m, 0][0] < rows:
-                    cute.copy(copy, tOrO[None, m, None], tOgO[None, m, None])
