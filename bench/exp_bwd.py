@@ -10,6 +10,9 @@ backward.bwd as cfg_overrides: preprocess, postprocess and the host allocations 
 tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m").
 "tm80" (d=128 non-causal only, FA3/FA4's tile): tile_m = 80, the dQ tile computed transposed
 (dq_split "t": dQ^T = K^T dS^T); compiled, not yet run on a GPU.
+"udq" / "early_lse_d" / "udq_lse" (BwdSm90Config.uniform_dq_desc / early_lse_d, from the SASS
+comparison with FA4, docs/sass_bwd_vs_fa4.md): e.g. ``python bench/exp_bwd.py --d 128,64 default
+udq early_lse_d udq_lse``; "tm80_udq" is tm80 with uniform_dq_desc.
 "persistent" (BwdSm90Config.persistent) launches min(tiles, SMs) CTAs looping over key-block
 tiles. "dq_first" (BwdSm90Config.dq_first) issues dQ before dK and stores the dQ tile under
 dK (docs/bwd_vs_fa4.md, P1; measured +2-4% at d=128, where it ships, -2..-10% at d=64; d=96
@@ -52,6 +55,12 @@ VARIANTS = {
     "dq_first_persistent": {"dq_first": True, "persistent": True},
     "tm128": {"tile_m": 128, "dq_split": "m"},
     "tm80": {"tile_m": 80, "dq_split": "t"},
+    # docs/sass_bwd_vs_fa4.md: uniform dQ descriptors (d=128, tm80, tm128; a no-op for "alt"),
+    # LSE / D read into registers before the wgmma waits (tile_m 64), and both.
+    "udq": {"uniform_dq_desc": True},
+    "early_lse_d": {"early_lse_d": True},
+    "udq_lse": {"uniform_dq_desc": True, "early_lse_d": True},
+    "tm80_udq": {"tile_m": 80, "dq_split": "t", "uniform_dq_desc": True},
     "wide_old": {"stages": 1, "do_stages": 0, "dq_per_turn": False},
     "wide_early_do": {"stages": 1, "do_stages": 1, "dq_per_turn": False},
     "wide_turns": {"stages": 1, "do_stages": 0, "dq_per_turn": True},
@@ -73,6 +82,9 @@ if "--d" in ARGS:  # --d 192,256
 SHORT = "--short" in ARGS
 if SHORT:
     ARGS.remove("--short")
+BOTH = "--also-short" in ARGS  # the long shapes, then the short ones, in one process
+if BOTH:
+    ARGS.remove("--also-short")
 if ARGS:
     VARIANTS = {n: VARIANTS[n] for n in ARGS}
 SHAPES = [(128, 16384, False), (128, 16384, True), (64, 4096, False), (64, 16384, True),
@@ -85,6 +97,8 @@ SHORT_SHAPES = [(64, 512, False), (64, 512, True), (128, 512, False), (128, 1024
                 (256, 512, False), (256, 1024, True)]
 if SHORT:
     SHAPES = SHORT_SHAPES
+elif BOTH:
+    SHAPES = SHAPES + SHORT_SHAPES
 WIDE_VARIANTS = ("default", "deterministic", "pdl", "pdl_deterministic", "tma_epi")
 WIDE_256_VARIANTS = ("wide_old", "wide_early_do", "wide_turns")  # d=256 only
 ROUNDS = 5

@@ -175,6 +175,18 @@ class BwdSm90Config:
     # both, then the stores). docs/bwd_vs_fa4.md P1; on at d=128 (+2-4%), -2..-10% at d=64.
     # d=64 and d=128 default splits only (DQ_FIRST_MAX_COLS).
     dq_first: bool = False
+    # The dQ wgmma's shared-memory operands partitioned per warpgroup (a warp-uniform slice)
+    # instead of per thread, so their descriptors stay in uniform registers. Off: ptxas builds
+    # the dQ B descriptor in vector registers and moves it over per HGMMA (d=128: 16 R2UR + 16
+    # IADD3 / IMAD.X per block, a dependent chain between the dQ HGMMAs). dq_split "n", "m",
+    # "t" only ("alt" is already uniform). docs/sass_bwd_vs_fa4.md.
+    uniform_dq_desc: bool = False
+    # LSE_log2 / D of this thread's query columns read from shared memory into registers
+    # before the wgmma waits (LSE after the S^T issue, D before the dV issue), as FA3/FA4 do:
+    # the LDS latency then runs under the GEMMs instead of in front of the first exp2 / dS
+    # FADD. tile_m 64 only (at 80 / 128 it spilled 150-400 bytes). Both flags are batched only:
+    # the varlen kernel keeps the default (d=128 varlen spilled 8-20 bytes with either).
+    early_lse_d: bool = False
     # dO/D ring depth; 0: ``stages`` (Q and dO stages advance in lockstep on one state). The
     # wide kernel at d=256 affords 2 Q stages but 1 dO stage; its dO stage is then released
     # as soon as its last reader (the dV wgmma) has completed (kernels/sm90/bwd_wide.py).
@@ -276,6 +288,11 @@ class BwdSm90Config:
             raise ValueError(f"dq_first needs one dQ chunk of <= {DQ_FIRST_MAX_COLS} columns per "
                              f"warpgroup, got {self.dq_cols_per_wg} (head_dim {self.head_dim}, "
                              f"dq_split {self.dq_split!r})")
+        if (self.uniform_dq_desc or self.early_lse_d) and self.wide:
+            raise ValueError("uniform_dq_desc / early_lse_d: narrow kernel (d 64/96/128) only")
+        if self.early_lse_d and self.tile_m != 64:
+            raise ValueError(f"early_lse_d: tile_m 64 only (got {self.tile_m}: 40-64 more live "
+                             f"registers, ptxas spilled 150-400 bytes)")
         if (self.do_stages or self.dq_per_turn) and not self.wide:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
 

@@ -503,3 +503,54 @@ def test_bwd_tile_m128_ptxas_report(dtype, causal, gqa, deterministic, varlen, e
     check_ptxas(backward.bwd_ptx(ARCH, dtype, 64, causal, gqa, deterministic, varlen=varlen,
                                  tile_m=128, dq_split="m", **({extra: True} if extra else {})),
                 tmp_path)
+
+
+# BwdSm90Config.uniform_dq_desc / early_lse_d (docs/sass_bwd_vs_fa4.md): spill-free and not
+# serialized over a sample (bench/exp_bwd.py "udq_lse"; varlen keeps the default code, so it
+# is listed once). Columns: dtype, d, causal, gqa, deterministic, varlen, persistent.
+SASS_FLAG_VARIANTS = [("BFloat16", d, c, False, False, False, False) for d in (64, 96, 128)
+                      for c in (False, True)] + [
+    ("Float16", 128, True, True, True, False, False),
+    ("BFloat16", 128, False, True, False, False, True),
+    ("BFloat16", 128, True, True, True, False, True),
+    ("BFloat16", 64, True, True, False, False, True),
+    ("BFloat16", 128, False, True, False, True, False)]
+
+
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,varlen,persistent",
+                         SASS_FLAG_VARIANTS, ids=lambda v: str(v))
+def test_bwd_sass_flags_ptxas(dtype, d, causal, gqa, deterministic, varlen, persistent,
+                              tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check_ptxas(backward.bwd_ptx(ARCH, dtype, d, causal, gqa, deterministic, varlen=varlen,
+                                 persistent=persistent, uniform_dq_desc=True,
+                                 early_lse_d=True), tmp_path)
+
+
+def test_bwd_uniform_dq_desc_sass(tmp_path, monkeypatch):
+    """d=128 ("n"): the dQ wgmma descriptors stay uniform, no R2UR per dQ HGMMA (16 per query
+    block by default, in the masked and in the unmasked loop)."""
+    monkeypatch.chdir(tmp_path)
+    default = sass_opcodes(main_cubin("BFloat16", 128, True, False, False), tmp_path)
+    ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", 128, True, uniform_dq_desc=True),
+                       tmp_path)
+    check_main_sass(ops)
+    assert ops["HGMMA"] == default["HGMMA"]
+    assert default.get("R2UR", 0) - ops.get("R2UR", 0) >= 32, (default.get("R2UR"),
+                                                               ops.get("R2UR"))
+
+
+def test_bwd_sass_flags_reject():
+    for flag in ("uniform_dq_desc", "early_lse_d"):
+        with pytest.raises(ValueError, match=flag):
+            dataclasses.replace(BwdSm90Config.for_head_dim(256), **{flag: True})
+    with pytest.raises(ValueError, match="early_lse_d"):
+        backward.bwd_config(128, {"tile_m": 80, "dq_split": "t", "early_lse_d": True})
+    backward.bwd_config(128, {"tile_m": 80, "dq_split": "t", "uniform_dq_desc": True})
+
+
+def test_bwd_uniform_dq_desc_tile_m80_ptxas(tmp_path, monkeypatch):
+    """uniform_dq_desc applies to the opt-in tile_m 80 ("t") too (bench/exp_bwd.py "tm80_udq")."""
+    monkeypatch.chdir(tmp_path)
+    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", 128, False, tile_m=80, dq_split="t",
+                                 uniform_dq_desc=True), tmp_path)

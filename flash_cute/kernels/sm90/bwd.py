@@ -190,7 +190,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
                              select_modes, transpose_mn)
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
-from . import pdl
+from . import bwd_cols, pdl
 from .epilogue import store_acc_rows, store_staged
 from .pipelines import bulk_reduce_add_f32, make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -283,6 +283,7 @@ class DkvOut:
 
 class FlashBwdSm90:
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
+    uniform_dq_desc = early_lse_d = False  # see __init__
 
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
                  deterministic: bool = False, varlen: bool = False):
@@ -314,6 +315,10 @@ class FlashBwdSm90:
         # query block from an opaque thread index instead of held live across the loop (they
         # spilled; see the module docstring).
         self.remat_tid = self.tile_m > KEYS_PER_WG
+        # cfg.uniform_dq_desc / early_lse_d (docs/sass_bwd_vs_fa4.md): batched only; at d=128
+        # the varlen kernel spilled 8-20 bytes with either (a reload per query block).
+        self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
+        self.early_lse_d = cfg.early_lse_d and not varlen
 
     @property
     def staged_dkv(self) -> bool:
@@ -692,8 +697,10 @@ class FlashBwdSm90:
             # dQ warp's bulk reduce is unchanged. tdQrK is K^T (the A operand here, passed
             # first by dq_operands).
             thr_dq = mma_dq.get_slice(tidx)
-            tdQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sdS)))
-            tdQrK = [mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sK)))]
+            op_dq = mma_dq.get_slice(wg * WG_THREADS) if const_expr(self.uniform_dq_desc) \
+                else thr_dq  # the warpgroup's slice: uniform descriptors
+            tdQrdS = mma_dq.make_fragment_B(op_dq.partition_B(transpose_mn(sdS)))
+            tdQrK = [mma_dq.make_fragment_A(op_dq.partition_A(transpose_mn(sK)))]
             tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((d, tm)), Float32)
             tdQsdQ = [thr_dq.partition_C(transpose_mn(sdQ))]
         else:
@@ -701,8 +708,10 @@ class FlashBwdSm90:
             # over all tile_n keys, one wgmma group; the tiled MMA's thread layout picks the
             # half from tidx. tdQrdS keeps sdS's buffer mode.
             thr_dq = mma_dq.get_slice(tidx)
-            tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
-            tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sK)))]
+            op_dq = mma_dq.get_slice(wg * WG_THREADS) if const_expr(self.uniform_dq_desc) \
+                else thr_dq  # the warpgroup's slice: uniform descriptors
+            tdQrdS = mma_dq.make_fragment_A(op_dq.partition_A(transpose_mn(sdS)))
+            tdQrK = [mma_dq.make_fragment_B(op_dq.partition_B(transpose_mn(sK)))]
             tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
             tdQsdQ = [thr_dq.partition_C(sdQ)]
 
@@ -805,10 +814,12 @@ class FlashBwdSm90:
                    tdPrV: cute.Tensor, tdPrdO: cute.Tensor, tScS: cute.Tensor,
                    t0ScS: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, pipe_q, pipe_do,
                    n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32,
-                   q_tail_rows: Int32):
+                   q_tail_rows: Int32, sLSE: Optional[cute.Tensor] = None):
         """S^T = K Q^T and dP^T = V dO^T of one query block, once its Q and dO stages are in
         (varlen: rows past the sequence zeroed first). Returns with S^T complete (and masked,
-        on a masked block, where dP^T is complete too); otherwise dP^T may still run."""
+        on a masked block, where dP^T is complete too); otherwise dP^T may still run.
+        cfg.early_lse_d: returns this thread's LSE_log2 columns in registers, read from
+        ``sLSE`` while the GEMMs run (else None)."""
         s, s_do = st_q.index, st_do.index
         if const_expr(self.varlen):
             if m_block == q_tail:  # the sequence ends inside this block
@@ -818,6 +829,9 @@ class FlashBwdSm90:
                                     cute.arch.thread_idx()[0] - WG_THREADS)
         pipe_q.consumer_wait(st_q)
         gemm(mma_sdp, tSrS, tSrK, tSrQ[None, None, None, s], zero_init=True, wait_group=-1)
+        lse = None
+        if const_expr(self.early_lse_d):  # LSE rides with Q: its stage is in
+            lse = bwd_cols.load_cols(sLSE, tScS, t0ScS, s)
         pipe_do.consumer_wait(st_do)
         gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s_do], zero_init=True,
              wait_group=-1)
@@ -827,32 +841,15 @@ class FlashBwdSm90:
                                  seqlen_q, seqlen_k, self.causal)
         else:
             warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
+        return lse
 
-    @cute.jit
-    def p_from_s(self, tSrS: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor,
-                 sLSE: cute.Tensor, s: Int32, scale_log2: Float32):
-        """P^T = exp2(S^T * scale_log2 - LSE_log2[query]) in place; a column of S^T is one
-        query, its LSE read from the stage's row in shared memory."""
-        s_mn = acc_as_mn(tSrS)
-        c0_mn = acc_as_mn(t0ScS)
-        col0 = acc_as_mn(tScS)[0, 0][1]
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            lse = sLSE[col0 + c0_mn[0, c][1], s]
-            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse, fastmath=True)
+    def p_from_s(self, tSrS, tScS, t0ScS, sLSE, s, scale_log2, lse=None):
+        """P^T = exp2(S^T * scale_log2 - LSE_log2) in place (kernels/sm90/bwd_cols.py)."""
+        bwd_cols.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2, lse)
 
-    @cute.jit
-    def ds_from_dp(self, tdPrdP: cute.Tensor, p_mn: cute.Tensor, tScS: cute.Tensor,
-                   t0ScS: cute.Tensor, sD: cute.Tensor, s: Int32):
-        """dS^T = P^T o (dP^T - D[query]) in place of dP^T, unscaled (bwd_post / the epilogue
-        apply the scale). ``p_mn``: P^T in the (rows, cols) view, fp32 or 16-bit."""
-        dp_mn = acc_as_mn(tdPrdP)
-        c0_mn = acc_as_mn(t0ScS)
-        col0 = acc_as_mn(tScS)[0, 0][1]
-        for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-            dsum = sD[col0 + c0_mn[0, c][1], s]
-            for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-                dp_mn[r, c] = p_mn[r, c].to(Float32) * (dp_mn[r, c] - dsum)
+    def ds_from_dp(self, tdPrdP, p_mn, tScS, t0ScS, sD, s, dsum=None):
+        """dS^T = P^T o (dP^T - D) in place of dP^T (kernels/sm90/bwd_cols.py)."""
+        bwd_cols.ds_from_dp(tdPrdP, p_mn, tScS, t0ScS, sD, s, dsum)
 
     @cute.jit
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
@@ -869,10 +866,10 @@ class FlashBwdSm90:
         # The CTA's running query-block count: sdS buffers and "alt" dQ turns alternate
         # strictly, also across a tile boundary (m_block may restart at an equal parity).
         step = st.count if const_expr(self.persistent) else m_block
-        self.issue_s_dp(m_block, st, st, masked, mma_sdp, tSrS, tdPrdP, tSrK, tSrQ, tdPrV,
-                        tdPrdO, tScS, t0ScS, sQ, sdO, pipe_q, pipe_do, n_block, seqlen_q,
-                        seqlen_k, q_tail, q_tail_rows)
-        self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2)
+        lse = self.issue_s_dp(m_block, st, st, masked, mma_sdp, tSrS, tdPrdP, tSrK, tSrQ, tdPrV,
+                              tdPrdO, tScS, t0ScS, sQ, sdO, pipe_q, pipe_do, n_block, seqlen_q,
+                              seqlen_k, q_tail, q_tail_rows, sLSE)
+        self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2, lse)
         s_mn = acc_as_mn(tSrS)
         if const_expr(not self.ds_from_p16):
             tdVrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
@@ -882,10 +879,13 @@ class FlashBwdSm90:
             rP.store(tSrS.load().to(self.dtype))
             tdVrP.store(acc_as_operand_a(rP).load())
             s_mn = acc_as_mn(rP)
+        dsum = None
+        if const_expr(self.early_lse_d):  # D's LDS latency under the dV issue and wait
+            dsum = bwd_cols.load_cols(sD, tScS, t0ScS, s)
         gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
 
-        self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s)
+        self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s, dsum)
         rdS.store(tdPrdP.load().to(self.dtype))
         tdKrdS.store(acc_as_operand_a(rdS).load())
 

@@ -1,0 +1,64 @@
+"""Per-query values of the SM90 backward's transposed score tiles (kernels/sm90/bwd.py).
+
+S^T and dP^T have the keys as rows and the queries as columns, so LSE_log2 (for P^T) and
+D = rowsum(dO o O) (for dS^T) are one value per column of a thread's accumulator fragment.
+They ride with the Q / dO stages in shared memory (one fp32 row per stage).
+
+By default each column's value is read from shared memory inside the element loop, after the
+wgmma wait. ``BwdSm90Config.early_lse_d`` reads them into registers (``load_cols``) right
+after the GEMMs are issued, as FA3/FA4 do, so the LDS latency runs under the tensor cores.
+"""
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..common.layout import acc_as_mn
+
+
+@cute.jit
+def load_cols(sRow: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, s: Int32) -> cute.Tensor:
+    """This thread's column values of stage ``s`` of a (tile_m, stages) fp32 row, in
+    registers: element c belongs to column c of the accumulator's (rows, cols) view."""
+    c0_mn = acc_as_mn(t0ScS)
+    col0 = acc_as_mn(tScS)[0, 0][1]
+    vals = cute.make_rmem_tensor((cute.size(c0_mn, mode=[1]),), Float32)
+    for c in cutlass.range_constexpr(cute.size(c0_mn, mode=[1])):
+        vals[c] = sRow[col0 + c0_mn[0, c][1], s]
+    return vals
+
+
+@cute.jit
+def p_from_s(tSrS: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, sLSE: cute.Tensor,
+             s: Int32, scale_log2: Float32, lse: Optional[cute.Tensor] = None):
+    """P^T = exp2(S^T * scale_log2 - LSE_log2[query]) in place; a column of S^T is one query.
+    ``lse``: its values from ``load_cols`` (else read from the stage's row of sLSE here)."""
+    s_mn = acc_as_mn(tSrS)
+    c0_mn = acc_as_mn(t0ScS)
+    col0 = acc_as_mn(tScS)[0, 0][1]
+    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+        if cutlass.const_expr(lse is None):
+            lse_c = sLSE[col0 + c0_mn[0, c][1], s]
+        else:
+            lse_c = lse[c]
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse_c, fastmath=True)
+
+
+@cute.jit
+def ds_from_dp(tdPrdP: cute.Tensor, p_mn: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor,
+               sD: cute.Tensor, s: Int32, dsum: Optional[cute.Tensor] = None):
+    """dS^T = P^T o (dP^T - D[query]) in place of dP^T, unscaled (bwd_post / the epilogue
+    apply the scale). ``p_mn``: P^T in the (rows, cols) view, fp32 or 16-bit. ``dsum``: D's
+    values from ``load_cols`` (else read from the stage's row of sD here)."""
+    dp_mn = acc_as_mn(tdPrdP)
+    c0_mn = acc_as_mn(t0ScS)
+    col0 = acc_as_mn(tScS)[0, 0][1]
+    for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+        if cutlass.const_expr(dsum is None):
+            dsum_c = sD[col0 + c0_mn[0, c][1], s]
+        else:
+            dsum_c = dsum[c]
+        for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+            dp_mn[r, c] = p_mn[r, c].to(Float32) * (dp_mn[r, c] - dsum_c)
