@@ -26,7 +26,8 @@ programmatic dependents of the kernel before them (their prologues overlap its t
 wait before reading its outputs); "pdl_deterministic" / "pdl_persistent" check it on those
 paths (timed at short sequences, --short: no gain, off).
 "tma_epi" (BwdSm90Config.tma_epilogue, every head dim) stages dK /
-dV in sK / sV and stores them by TMA (docs/bwd_vs_fa4.md P3; compiled, not yet run on a GPU);
+dV in sK / sV and stores them by TMA (docs/bwd_vs_fa4.md P3; +2% geomean, on by default since
+session 4, so "tma_epi" = "default" and "reg_epi" is the register epilogue before it);
 "tma_epi_persistent" with the persistent kernel (K / V released after the TMA stores' reads;
 FLASH_CUTE_BWD_NUM_SMS=5 puts many tiles on each CTA of the checks, and of the timings too).
 Their varlen path (16-byte row stores instead of TMA) is checked as well: VARLEN_CHECKED.
@@ -68,6 +69,7 @@ VARIANTS = {
     "pdl_deterministic": {"pdl": True, "deterministic": True},
     "pdl_persistent": {"pdl": True, "persistent": True},
     "tma_epi": {"tma_epilogue": True},
+    "reg_epi": {"tma_epilogue": False},
     "tma_epi_persistent": {"tma_epilogue": True, "persistent": True},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
@@ -99,7 +101,7 @@ if SHORT:
     SHAPES = SHORT_SHAPES
 elif BOTH:
     SHAPES = SHAPES + SHORT_SHAPES
-WIDE_VARIANTS = ("default", "deterministic", "pdl", "pdl_deterministic", "tma_epi")
+WIDE_VARIANTS = ("default", "deterministic", "pdl", "pdl_deterministic", "tma_epi", "reg_epi")
 WIDE_256_VARIANTS = ("wide_old", "wide_early_do", "wide_turns")  # d=256 only
 ROUNDS = 5
 

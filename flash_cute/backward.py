@@ -248,6 +248,8 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
 
     _check_arch(arch)
     dt = getattr(cutlass, dtype_name)
+    if cfg_overrides.get("persistent") and "tma_epilogue" not in cfg_overrides:
+        cfg_overrides["tma_epilogue"] = False  # config.py: the pairing is not GPU-checked
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
     dkv_dt = cutlass.Float32 if gqa else dt

@@ -193,12 +193,16 @@ def test_bwd_main_tma_epilogue_compiles(dtype, d, causal, gqa, deterministic, va
         assert ops.get("UTMASTG", 0) > 0 and ops.get("STG", 0) == 0, ops
 
 
-def test_bwd_tma_epilogue_off_by_default_and_gqa_unchanged(tmp_path, monkeypatch):
-    """Off in every shipped config; with GQA (fp32 dK / dV) the flag changes nothing."""
+def test_bwd_tma_epilogue_default_and_gqa_unchanged(tmp_path, monkeypatch):
+    """On in every shipped config except the persistent kernel (not GPU-checked with it);
+    with GQA (fp32 dK / dV) the flag changes nothing."""
     monkeypatch.chdir(tmp_path)
-    assert not any(BwdSm90Config.for_head_dim(d).tma_epilogue for d in BWD_SUPPORTED_HEAD_DIMS)
+    assert all(BwdSm90Config.for_head_dim(d).tma_epilogue for d in BWD_SUPPORTED_HEAD_DIMS)
     args = (ARCH, "BFloat16", 128, True, True)
-    assert backward.bwd_ptx(*args, tma_epilogue=True) == backward.bwd_ptx(*args)
+    assert backward.bwd_ptx(*args, tma_epilogue=False) == backward.bwd_ptx(*args)
+    args = (ARCH, "BFloat16", 128, True, False)
+    assert (backward.bwd_ptx(*args, persistent=True)
+            == backward.bwd_ptx(*args, persistent=True, tma_epilogue=False))
 
 
 # The wide kernel (d 192/256): every variant through ptxas, batched and varlen.
