@@ -1,8 +1,10 @@
 """SM90 (Hopper) attention backward, step 2 of 3: dK, dV per key block, dQ by bulk reductions.
 
 STATUS: checked on the H200: batched (bench/check_bwd.py), varlen (bench/check_varlen_bwd.py),
-the persistent variant (``cfg.persistent``, below; opt-in: it measured 0-24% slower than one
-tile per CTA) and dq_first (on at d=128). tile_m = 128 (opt-in) measured 11-20% slower.
+the persistent variant (``cfg.persistent``, opt-in: 0-24% slower than one tile per CTA),
+dq_first (on at d=128) and the staged dK / dV epilogue (``cfg.tma_epilogue``, on). The opt-in
+query tiles (tile_m 128 at d=64, 80 at d=128) are correct and 9-18% slower; their design
+notes and measurements are in docs/performance.md and docs/sass_bwd_vs_fa4.md.
 
 Math (per batch and query head; S = Q K^T unscaled, scale = softmax_scale):
 
@@ -107,34 +109,12 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     plus a second sdS buffer (16 KB) and sdQ fp32 tile_m * (d + DQ_ROW_PAD): d=64 18 KB,
     d=96 26 KB, d=128 34 KB. Totals: d=64 115 KB, d=96 155 KB, d=128 195 KB.
 
-tile_m = 128 (opt-in, d=64, ``dq_split="m"``: each mma warpgroup owns 64 query rows of the
-128 x d dQ tile): sQ, sdO 32 KB each, sK, sV 16 KB each, sdS 2 x 32 KB, sdQ 36 KB, LSE/D 2 KB:
-~198 KB. dS^T is then computed from the 16-bit P^T (``ds_from_p16``). STATUS: checked on the
-H200 and 11-20% slower than tile_m = 64, when ptxas reported 28-40 bytes of spill stores (bf16
-only; fp16 was clean, no C7512). The spilled values were thread-index-derived addresses held
-across the query-block loop (the 4 stmatrix addresses into sdS, the LSE/D column, the
-epilogue's coordinates). ``remat_tid``: those are rebuilt per query block / after the loop
-from an opaque ``mov %tid.x`` (layout.opaque_thread_idx): sdS stmatrix alone -> 0 spill for
-bf16 causal / non-causal / deterministic, 24 B for bf16 causal varlen; + S^T coordinates and
-the epilogue -> 0 for every variant tried except bf16 non-causal GQA deterministic varlen
-(56 B stores / 84 B loads, was 52 / 96). Also rebuilding the sdQ partition made it 0 but
-spilled others (bf16 causal varlen 48 B at the step's start, 32-44 B on most bf16 variants
-placed just before the dQ store): not kept. Not yet re-timed on the GPU.
-
-tile_m = 80 (opt-in, d=128 non-causal, ``dq_split="t"``; FA3/FA4's tile there, causal keeps
-64): S^T / dP^T wgmma with N = 80, 25% more work per block's fixed costs; dV / dK have K = 80
-(5 k-blocks). 80 rows are not a multiple of the wgmma M, so the dQ tile is computed transposed,
-dQ^T = K^T dS^T (M = d, 64 per warpgroup; N = 80 queries; K = 128 keys; A = K^T and B = dS^T
-both MN-major from sK / sdS), and each thread stores its dQ^T accumulator transposed into sdQ's
-(query, d) rows, so the dQ warp's bulk reduce is unchanged (4-byte scalar stores, 4-way bank
-conflicts: a first thing to look at if it measures well). sdS rows are 80 wide (160 bytes):
-make_smem_layout picks the 32-byte swizzle (16 elements), fine for stmatrix and as the
-MN-major B. Shared memory: sK, sV 32 KB each, sQ, sdO 2 x 20 KB each, sdS 2 x 20 KB, sdQ 40 KB
-with no row padding (cfg.dq_row_pad = 0: padded rows would not fit), LSE / D stages padded to
-128 bytes (TMA destinations): 226 KB. dS^T from the 16-bit P^T (``ds_from_p16``; with fp32
-P^T ptxas serialized the wgmma, C7512). STATUS: compiles; ptxas -v: no C7512 / C7514, 168
-registers, 28 bytes of scalar spill stores (bf16 batched; up to ~48 for persistent / varlen
-GQA, none for fp16 varlen GQA deterministic); not yet run on a GPU.
+tile_m = 128 (opt-in, d=64, ``dq_split="m"``): each mma warpgroup owns 64 query rows of the
+128 x d dQ tile; ~198 KB of shared memory; dS^T from the 16-bit P^T (``ds_from_p16``);
+``remat_tid`` rebuilds thread-index-derived addresses per query block from an opaque %tid.x
+(layout.opaque_thread_idx) instead of holding them across the loop (they spilled).
+tile_m = 80 (opt-in, d=128 non-causal, ``dq_split="t"``): dQ^T = K^T dS^T (80 is not a
+multiple of the wgmma M), stored transposed into sdQ's rows; unpadded dQ rows to fit 226 KB.
 
 Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
 (total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (sequence b
@@ -142,13 +122,12 @@ from ``pad_offset``, whole tiles that never overlap the next sequence's). Tiles 
 over the key blocks that exist (scheduler.varlen_tile_coords); the few numbers of the grid's
 bound past the last tile return before any pipeline wait or named barrier (uniform over the
 CTA: all 384 threads leave together; the mbarriers were only initialised); persistent, every
-role skips them. TMA views start
-at the sequence's first row but keep the packed extent, so the boxes at a sequence's end hold
-the next sequence's rows (past seqused: anything, NaN included). The mma warpgroups zero those
-rows in shared memory before any wgmma reads them: K and V past seqlen_k once per tile, Q and
-dO past seqlen_q in the one query block where the sequence ends. Then such a query has S = 0,
-P = exp2(0 - inf) = 0 exactly
-(LSE_log2 = +inf on padding rows), dP = 0 and dS = 0: nothing reaches dK / dV; keys past
+role skips them. TMA views start at the sequence's first row but keep the packed extent, so
+the boxes at a sequence's end hold the next sequence's rows (past seqused: anything, NaN
+included). The mma warpgroups zero those rows in shared memory before any wgmma reads them: K
+and V past seqlen_k once per tile, Q and dO past seqlen_q in the one query block where the
+sequence ends. Then such a query has S = 0, P = exp2(0 - inf) = 0 exactly (LSE_log2 = +inf on
+padding rows), dP = 0 and dS = 0: nothing reaches dK / dV; keys past
 seqlen_k are masked as a ragged tail and their zero K / V rows keep dS = 0 and dQ finite
 (0 * NaN would not be). dK / dV rows past seqlen_k are never stored (the next sequence's);
 dQ tiles are reduced into the sequence's own padded rows, and the deterministic semaphores are
@@ -158,13 +137,8 @@ Registers (per mma thread, fp32 unless noted): dK + dV 2 * 64 * d / 128 (d=128: 
 dP^T 2 * 32, P^T and dS^T 2-byte 16 + 16, dQ chunk 32: an estimated ~210 live at d=128 of the
 240 that setmaxnreg grants. ptxas (-v) reports no spills and no C7512 for every variant.
 
-Expected slow parts (to measure first): the dQ red.add traffic (2 * 64 * d atomics per query
-block per CTA, no overlap with this warpgroup's wgmma because the dQ wgmma is waited on before
-the atomics), the serialized dQ chunks, tile_m = 64 (S^T and dP^T wgmma have N = 64, half the
-forward's), and the tile epilogue (scalar predicated stores of dK/dV).
-
-``cfg.tma_epilogue`` (opt-in, docs/bwd_vs_fa4.md P3; compiled, not yet run on a GPU): dK * scale
-and dV, converted to the input dtype, are staged in sK / sV (no extra shared memory) with
+``cfg.tma_epilogue`` (on; docs/bwd_vs_fa4.md P3; +2% geomean, +3-5% at s <= 2k): dK * scale and
+dV, converted to the input dtype, are staged in sK / sV (no extra shared memory) with
 stmatrix once KV_FREE (256) says no wgmma reads them any more (dQ reads all of sK), then leave
 by one TMA store per tile (clipped at seqlen_k), issued by the first mma warp after DKV_STAGED
 (it waits, the others arrive and move on); varlen by predicated 16-byte row stores of the rows
