@@ -182,7 +182,8 @@ def test_bwd_main_tma_epilogue_compiles(dtype, d, causal, gqa, deterministic, va
     check_ptxas(ptx, tmp_path)
     ops = sass_opcodes((tmp_path / "k.o").read_bytes(), tmp_path)  # ptxas's cubin
     check_main_sass(ops)
-    default = sass_opcodes(main_cubin(*args, varlen, persistent), tmp_path)
+    default = sass_opcodes(backward.bwd_cubin(  # the register epilogue
+        ARCH, *args, varlen=varlen, persistent=persistent, tma_epilogue=False), tmp_path)
     assert ops["HGMMA"] == default["HGMMA"], (ops["HGMMA"], default["HGMMA"])
     tile_elems = BwdSm90Config.for_head_dim(d).tile_n * d  # of dK (and of dV)
     assert ops["STSM"] - default.get("STSM", 0) == 2 * tile_elems // (8 * MMA_THREADS), ops
