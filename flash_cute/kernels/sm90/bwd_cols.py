@@ -30,18 +30,23 @@ def load_cols(sRow: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, s: Int32
 
 
 @cute.jit
+def col_value(sRow: cute.Tensor, s: Int32, vals: Optional[cute.Tensor], tScS: cute.Tensor,
+              t0ScS: cute.Tensor, c: int):
+    """The per-query value (LSE_log2 or D) of this thread's accumulator column ``c``: from
+    ``vals`` (``load_cols``) when given, else from the stage's row of shared memory."""
+    if cutlass.const_expr(vals is not None):
+        return vals[c]
+    return sRow[acc_as_mn(tScS)[0, 0][1] + acc_as_mn(t0ScS)[0, c][1], s]
+
+
+@cute.jit
 def p_from_s(tSrS: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, sLSE: cute.Tensor,
              s: Int32, scale_log2: Float32, lse: Optional[cute.Tensor] = None):
     """P^T = exp2(S^T * scale_log2 - LSE_log2[query]) in place; a column of S^T is one query.
     ``lse``: its values from ``load_cols`` (else read from the stage's row of sLSE here)."""
     s_mn = acc_as_mn(tSrS)
-    c0_mn = acc_as_mn(t0ScS)
-    col0 = acc_as_mn(tScS)[0, 0][1]
     for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-        if cutlass.const_expr(lse is None):
-            lse_c = sLSE[col0 + c0_mn[0, c][1], s]
-        else:
-            lse_c = lse[c]
+        lse_c = col_value(sLSE, s, lse, tScS, t0ScS, c)
         for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
             s_mn[r, c] = cute.math.exp2(s_mn[r, c] * scale_log2 - lse_c, fastmath=True)
 
@@ -53,12 +58,7 @@ def ds_from_dp(tdPrdP: cute.Tensor, p_mn: cute.Tensor, tScS: cute.Tensor, t0ScS:
     apply the scale). ``p_mn``: P^T in the (rows, cols) view, fp32 or 16-bit. ``dsum``: D's
     values from ``load_cols`` (else read from the stage's row of sD here)."""
     dp_mn = acc_as_mn(tdPrdP)
-    c0_mn = acc_as_mn(t0ScS)
-    col0 = acc_as_mn(tScS)[0, 0][1]
     for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
-        if cutlass.const_expr(dsum is None):
-            dsum_c = sD[col0 + c0_mn[0, c][1], s]
-        else:
-            dsum_c = dsum[c]
+        dsum_c = col_value(sD, s, dsum, tScS, t0ScS, c)
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
             dp_mn[r, c] = p_mn[r, c].to(Float32) * (dp_mn[r, c] - dsum_c)
