@@ -18,7 +18,11 @@ MAX_LOSS = 0.97     # a variant that costs some shape more than 3% is not a defa
 def main():
     name, setting, *logs = sys.argv[1:]
     text = "".join(open(p).read() for p in logs)
-    ratios = [int(v) / int(d) for d, v in re.findall(rf"default=(\d+) {name}=(\d+)", text)]
+    ratios = []
+    for line in text.splitlines():  # "bwd d=... TFLOP/s: default=554 tma_epi=558 ..."
+        speeds = dict(re.findall(r"(\w+)=(\d+)", line.partition("TFLOP/s:")[2]))
+        if "default" in speeds and name in speeds:
+            ratios.append(int(speeds[name]) / int(speeds["default"]))
     failed = re.search(rf"{name}: FAIL", text) is not None
     for r in ratios:
         print(f"{name} / default: {r:.3f}", file=sys.stderr)

@@ -30,9 +30,10 @@ min(tiles, SMs) CTAs that loop over the key-block tiles (kernels/common/schedule
 argument (cached per device), not part of the compile key; ``FLASH_CUTE_BWD_NUM_SMS=n``
 overrides it (checks: many tiles per CTA even at small shapes).
 
-Programmatic dependent launch (opt-in, ``cfg_overrides={"pdl": True}``, BwdSm90Config.pdl;
-compiled, not yet run on a GPU): the main kernel and bwd_post start while the kernel before them
-finishes and wait for it before reading its outputs (kernels/sm90/pdl.py).
+Programmatic dependent launch (opt-in, ``cfg_overrides={"pdl": True}`` or
+``FLASH_CUTE_BWD_CONFIG=pdl=1``, BwdSm90Config.pdl; correct on the H200, no gain at s <= 1k):
+the main kernel and bwd_post start while the kernel before them finishes and wait for it
+before reading its outputs (kernels/sm90/pdl.py).
 
 The wide kernel (d 192/256) has no persistent variant: ``persistent=True`` raises
 NotImplementedError there, and FLASH_CUTE_BWD_PERSISTENT=1 applies to d 64/96/128 only.
@@ -357,9 +358,9 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     and keyed by the main kernel's tile_m (their padding unit) and pdl (how they are
     chained to it). Varlen: (pre, main, post for dq, batched post for the GQA dK/dV sums).
     ``cfg_overrides``: see bwd_config."""
-    cfg = bwd_config(d, cfg_overrides)
+    overrides = {**env_overrides(), **(cfg_overrides or {})}  # bwd_config's, parsed once
+    cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **overrides)
     tm, pdl = cfg.tile_m, cfg.pdl
-    overrides = {**env_overrides(), **(cfg_overrides or {})}
     extra = tuple(sorted(overrides.items()))
     pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl),
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl))

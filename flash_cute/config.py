@@ -197,8 +197,8 @@ class BwdSm90Config:
     dq_per_turn: bool = False
     # Programmatic dependent launch (kernels/sm90/pdl.py): the main kernel and bwd_post start
     # while the kernel before them finishes and wait (griddepcontrol.wait) before reading its
-    # outputs, hiding the launch gaps and the main kernel's prologue. Off until checked and
-    # timed on the H200 (bench/exp_bwd.py "pdl").
+    # outputs, hiding the launch gaps and the main kernel's prologue. Off: correct on the
+    # H200 but -1..-3% at s <= 1k (bench/exp_bwd.py --short default pdl).
     pdl: bool = False
     # dK / dV leave through shared memory (docs/bwd_vs_fa4.md P3): converted to the input
     # dtype and staged in sK / sV (free once the tile's last wgmma has read them), then one
