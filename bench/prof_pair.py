@@ -1,0 +1,52 @@
+"""One call of ours and one of FA4 (bf16, 16k tokens, 2048 / d heads) inside a profiler range,
+for ncu side by side; compilation and warm-up happen before the range:
+
+    ncu --profile-from-start off --set full --clock-control none \
+        python bench/prof_pair.py --dir fwd|bwd [--causal] [--d 128] [--s 4096]
+
+bench/prof_src.sh runs it under ncu's source counters for bench/stall_table.py.
+"""
+import argparse
+
+import torch
+
+from flash_cute import backward, dispatch
+
+p = argparse.ArgumentParser()
+p.add_argument("--dir", choices=("fwd", "bwd"), default="bwd")
+p.add_argument("--causal", action="store_true")
+p.add_argument("--d", type=int, default=128)
+p.add_argument("--s", type=int, default=4096)
+a = p.parse_args()
+d, s, causal = a.d, a.s, a.causal
+b, h = max(1, 16384 // s), 2048 // d
+q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+scale = d ** -0.5
+out, lse = dispatch.fwd(q, k, v, softmax_scale=scale, causal=causal)
+if a.dir == "fwd":
+    calls = {"flash_cute": lambda: dispatch.fwd(q, k, v, softmax_scale=scale, causal=causal)}
+else:
+    calls = {"flash_cute": lambda: backward.bwd(do, q, k, v, out, lse, softmax_scale=scale,
+                                                causal=causal)}
+try:
+    from flash_attn.cute import flash_attn_func as fa4
+
+    if a.dir == "fwd":
+        calls["fa4"] = lambda: fa4(q, k, v, causal=causal)
+    else:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o4 = fa4(*leaves, causal=causal)
+        o4 = o4[0] if isinstance(o4, tuple) else o4
+        calls["fa4"] = lambda: torch.autograd.grad(o4, leaves, do, retain_graph=True)
+except ImportError as e:
+    print("fa4 unavailable:", e)
+
+for fn in calls.values():
+    fn(), fn()
+torch.cuda.synchronize()
+torch.cuda.profiler.start()
+for name, fn in calls.items():
+    fn()
+    torch.cuda.synchronize()
+    print("profiled", name, flush=True)
+torch.cuda.profiler.stop()
