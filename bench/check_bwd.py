@@ -6,6 +6,7 @@
     python bench/check_bwd.py --list          # the cases and their indices
     python bench/check_bwd.py --deterministic # the deterministic dQ order
     python bench/check_bwd.py --pdl --no-time # programmatic dependent launch (BwdSm90Config.pdl)
+    python bench/check_bwd.py --stagger --no-time  # BwdSm90Config.stagger (d 64/96/128 cases)
 
 The persistent main kernel (experiment): FLASH_CUTE_BWD_PERSISTENT=1 in the environment;
 add FLASH_CUTE_BWD_NUM_SMS=5 for a 5-CTA grid, so every CTA crosses many tile boundaries.
@@ -27,6 +28,9 @@ from case_runner import add_arguments, context_alive, run_cases  # bench/ is on 
 from check_fwd import timeit
 from flash_cute import backward, dispatch
 from flash_cute.reference import attention_ref, check_grads_close
+
+# --stagger: the staggered warpgroups ("alt" dQ turns; the narrow kernel's head dims only)
+STAGGER = {"dq_split": "alt", "dq_first": False, "stagger": True}
 
 SHAPES = [(1, 1), (3, 3), (239, 1), (1, 239), (113, 203), (203, 113), (128, 128), (64, 200),
           (1023, 1024), (1024, 1023), (2048, 2048)]
@@ -126,10 +130,13 @@ def main():
     p.add_argument("--no-time", action="store_true")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--pdl", action="store_true")
+    p.add_argument("--stagger", action="store_true")
     add_arguments(p)
     args = p.parse_args()
-    ov = {"pdl": True} if args.pdl else None
-    run_cases([(tag(c), lambda c=c: check(c, args.deterministic, ov)) for c in cases()], args)
+    ov = {**({"pdl": True} if args.pdl else {}), **(STAGGER if args.stagger else {})}
+    todo = [c for c in cases() if not args.stagger or c["d"] not in backward.BWD_WIDE_HEAD_DIMS]
+    run_cases([(tag(c), lambda c=c: check(c, args.deterministic, ov or None)) for c in todo],
+              args)
     if args.list:
         return
     if not args.no_time:

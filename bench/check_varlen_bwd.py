@@ -4,6 +4,7 @@
     python bench/check_varlen_bwd.py --only 'd=128'  # cases whose tag contains the string
     python bench/check_varlen_bwd.py --list
     python bench/check_varlen_bwd.py --pdl           # programmatic dependent launch (cfg.pdl)
+    python bench/check_varlen_bwd.py --stagger       # cfg.stagger (d 64/96/128 cases)
 
 The persistent main kernel (experiment): FLASH_CUTE_BWD_PERSISTENT=1 in the environment
 (FLASH_CUTE_BWD_NUM_SMS=5 for a 5-CTA grid: many tiles, skipped ones included, per CTA).
@@ -21,15 +22,17 @@ out exactly 0). Extra cases: deterministic runs bit-identical, each sequence alo
 batched backward (same numbers), the autograd path (flash_attn_varlen_func), no recompile.
 """
 import argparse
+import os
 
 import torch
 
 from case_runner import add_arguments, run_cases  # bench/ is on sys.path as a script
+from check_bwd import STAGGER
 from check_varlen import cu, unused_rows
 from flash_cute import backward, dispatch, flash_attn_varlen_func
 from flash_cute.reference import attention_ref, check_grads_close
 
-CFG_OVERRIDES = {}  # BwdSm90Config fields for every varlen_bwd call (--pdl)
+CFG_OVERRIDES = {}  # BwdSm90Config fields for every backward call (--pdl, --stagger)
 
 # (lens_q, lens_k, seqused_q, seqused_k): single tokens, empty sequences, lengths at the 64-row
 # query tile and 128-key block edges, one long sequence among short ones, seqused (with NaN
@@ -161,7 +164,8 @@ def check(c):
             out, lse = dispatch.fwd(q, k, v, softmax_scale=opts["softmax_scale"],
                                     causal=opts["causal"])
             alone = backward.bwd(do, q, k, v, out, lse, softmax_scale=opts["softmax_scale"],
-                                 causal=opts["causal"], deterministic=True)
+                                 causal=opts["causal"], deterministic=True,
+                                 cfg_overrides=CFG_OVERRIDES or None)
             for name, g, a, r in zip(("dq", "dk", "dv"), grads, alone, (rq, rk, rk)):
                 diff = (g[r].float() - a[0].float()).abs().max().item() if a.numel() else 0.0
                 worst = max(worst, diff)
@@ -196,11 +200,17 @@ def check(c):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--pdl", action="store_true")
+    p.add_argument("--stagger", action="store_true")
     add_arguments(p, case_seconds=90.0)
     args = p.parse_args()
     if args.pdl:
         CFG_OVERRIDES["pdl"] = True
-    run_cases([(tag(c), lambda c=c: check(c)) for c in cases()], args)
+    if args.stagger:  # also for the autograd case's flash_attn_varlen_func (the env var)
+        os.environ[backward.CONFIG_ENV] = ",".join(
+            f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in STAGGER.items())
+    todo = [c for c in cases() if not args.stagger or c["d"] not in backward.BWD_WIDE_HEAD_DIMS]
+    run_cases([(tag(c), lambda c=c: check(c)) for c in todo], args)
+
 
 if __name__ == "__main__":
     main()

@@ -71,10 +71,13 @@ VARIANTS = {
     "tma_epi": {"tma_epilogue": True},
     "reg_epi": {"tma_epilogue": False},
     "tma_epi_persistent": {"tma_epilogue": True, "persistent": True},
+    # BwdSm90Config.stagger (session 5): "alt" dQ turns, the other warpgroup runs on.
+    "stagger": {"dq_split": "alt", "dq_first": False, "stagger": True},
+    "stagger_lse": {"dq_split": "alt", "dq_first": False, "stagger": True, "early_lse_d": True},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
-VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent")
+VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

@@ -209,6 +209,12 @@ class BwdSm90Config:
     # bench/exp_bwd.py --also-short default tma_epi). The persistent kernel keeps the register
     # stores unless asked (backward._compile_main): that pairing never ran on a GPU.
     tma_epilogue: bool = True
+    # dq_split "alt" only: the warpgroup without the dQ turn of a query block only arrives at
+    # the dS barrier and skips the dQ hand-off, so the two warpgroups run about a dQ GEMM
+    # apart instead of meeting twice per block (the lockstep that left both running their
+    # exp2 at once behind an idle tensor pipe: ncu, docs/performance.md session 5). Per-parity
+    # named barriers keep consecutive blocks' phases apart. One CTA per tile only.
+    stagger: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -296,6 +302,11 @@ class BwdSm90Config:
         if self.early_lse_d and self.tile_m != 64:
             raise ValueError(f"early_lse_d: tile_m 64 only (got {self.tile_m}: 40-64 more live "
                              f"registers, ptxas spilled 150-400 bytes)")
+        if self.stagger and (self.dq_split != "alt" or self.wide or self.persistent or
+                             self.dq_first):
+            raise ValueError(f"stagger: dq_split 'alt' without dq_first, the wide layout or the "
+                             f"persistent kernel; got dq_split {self.dq_split!r}, dq_first "
+                             f"{self.dq_first}, wide {self.wide}, persistent {self.persistent}")
         if (self.do_stages or self.dq_per_turn) and not self.wide:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
 

@@ -177,6 +177,7 @@ MMA_REGS = 240       # 24*128 + 240*256 <= 64K registers per SM
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 DQ_WARP = 1          # warp of WG0 that issues the dQ bulk reductions
 DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
+DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ turn + the dQ warp
 DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
 STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
 
@@ -190,6 +191,17 @@ class Barrier(enum.IntEnum):
     P_READY = 5       # wide kernel (bwd_wide.py): both warpgroups' P^T columns are in sP
     KV_FREE = 6       # staged epilogue: no wgmma reads sK / sV any more
     DKV_STAGED = 7    # staged epilogue: dK / dV are in sK / sV
+    # cfg.stagger: DS_READY / DQ_FULL / DQ_EMPTY of odd query blocks (``parity_barrier``)
+    DS_READY_ODD = 8
+    DQ_FULL_ODD = 9
+    DQ_EMPTY_ODD = 10
+
+
+def parity_barrier(even: Barrier, odd: Barrier, step: Int32) -> Int32:
+    """cfg.stagger: the barrier of query block ``step``, alternating by parity. The two
+    warpgroups may be a block apart, so one id for consecutive blocks could complete a phase
+    with one warpgroup's arrivals of two different blocks."""
+    return Int32(int(even)) + (step % 2) * (int(odd) - int(even))
 
 
 @dataclass(frozen=True)
@@ -869,30 +881,37 @@ class FlashBwdSm90:
         if const_expr(self.remat_tid):  # frags hold the tiled copy and sdS
             thr_store_dS = thr_store_dS.get_slice(opaque_thread_idx() - WG_THREADS)
             tdSsdS = thr_store_dS.partition_D(tdSsdS)
-        cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS[None, None, None, buf])
-        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
-        cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
-                          number_of_threads=NUM_MMA_WG * WG_THREADS)
-        if const_expr(self.cfg.dq_first):
-            self.dq_then_dk(tdKrdK, tdKrdS, tdKrQ[None, None, None, s], mma_dkv, mma_dq,
-                            tdQrdQ, tdQrdS[None, None, None, buf], tdQrK, tdQsdQ, wg, step)
-        else:
+        if const_expr(self.cfg.stagger):  # dK reads this warpgroup's dS^T registers only
             gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
                  wait_group=-1)
-
-            # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
-            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
-            if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
-                for c in cutlass.range_constexpr(len(tdQrK)):
-                    gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS[None, None, None, buf],
-                                                           tdQrK[c]),
-                         zero_init=True, wait_group=0)
-                    cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+        cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS[None, None, None, buf])
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
+        if const_expr(self.cfg.stagger):
+            self.staggered_dq(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK, tdQsdQ, wg,
+                              step)
+        else:
+            cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
+                              number_of_threads=NUM_MMA_WG * WG_THREADS)
+            if const_expr(self.cfg.dq_first):
+                self.dq_then_dk(tdKrdK, tdKrdS, tdKrQ[None, None, None, s], mma_dkv, mma_dq,
+                                tdQrdQ, tdQrdS[None, None, None, buf], tdQrK, tdQsdQ, wg, step)
             else:
-                warpgroup.wait_group(0)  # dK done on both paths (else ptxas serializes, C7514)
-            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
-            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL),
-                                     number_of_threads=DQ_THREADS)
+                gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
+                     wait_group=-1)
+
+                # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
+                cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+                if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
+                    for c in cutlass.range_constexpr(len(tdQrK)):
+                        gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS[None, None, None, buf],
+                                                               tdQrK[c]),
+                             zero_init=True, wait_group=0)
+                        cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+                else:
+                    warpgroup.wait_group(0)  # dK done on both paths (else ptxas serializes, C7514)
+                cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL),
+                                         number_of_threads=DQ_THREADS)
         pipe_q.consumer_release(st)
         pipe_do.consumer_release(st)
         st.advance()
@@ -926,6 +945,36 @@ class FlashBwdSm90:
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
         cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
         warpgroup.wait_group(0)  # dK (reads sQ) done before the stage goes back
+
+    @cute.jit
+    def staggered_dq(self, mma_dq: cute.TiledMma, tdQrdQ: cute.Tensor, tdQrdS: cute.Tensor,
+                     tdQrK, tdQsdQ, wg: Int32, step: Int32):
+        """``cfg.stagger`` ("alt"): after this warpgroup's dK issue and dS^T stores. The
+        warpgroup with the dQ turn waits for the other's dS^T rows, computes the whole dQ tile
+        in chunks and hands it to the dQ warp; the other only arrives and moves on to the next
+        block, so its GEMMs queue behind this one's. Returns with no wgmma in flight (dK
+        read sQ: the caller releases the stage next)."""
+        if wg == step % NUM_MMA_WG:
+            cute.arch.barrier(barrier_id=parity_barrier(Barrier.DS_READY, Barrier.DS_READY_ODD,
+                                                        step),
+                              number_of_threads=NUM_MMA_WG * WG_THREADS)
+            # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
+            cute.arch.barrier(barrier_id=parity_barrier(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD,
+                                                        step),
+                              number_of_threads=DQ_TURN_THREADS)
+            for c in cutlass.range_constexpr(len(tdQrK)):
+                gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
+                     wait_group=0)  # the first also waits for dK
+                cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+            cute.arch.barrier_arrive(barrier_id=parity_barrier(Barrier.DQ_FULL,
+                                                               Barrier.DQ_FULL_ODD, step),
+                                     number_of_threads=DQ_TURN_THREADS)
+        else:
+            cute.arch.barrier_arrive(barrier_id=parity_barrier(Barrier.DS_READY,
+                                                               Barrier.DS_READY_ODD, step),
+                                     number_of_threads=NUM_MMA_WG * WG_THREADS)
+            warpgroup.wait_group(0)  # dK (reads sQ) done before the stage goes back
 
     def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
         """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""
@@ -964,15 +1013,20 @@ class FlashBwdSm90:
         m_begin, m_end = tile.m_begin, tile.m_end
         # A tile is tm padded rows; the last row's padding may lie past the allocation.
         tile_bytes = (tm * self.cfg.dq_row - self.cfg.dq_row_pad) * 4
+        # cfg.stagger: one warpgroup per block (the one with the dQ turn), ids by parity.
+        threads = DQ_TURN_THREADS if const_expr(self.cfg.stagger) else DQ_THREADS
+        bar = self.hand_off_barrier
         if const_expr(not self.persistent):
             if m_begin < m_end:
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
-                                         number_of_threads=DQ_THREADS)
+                cute.arch.barrier_arrive(
+                    barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_begin),
+                    number_of_threads=threads)
         for m_block in cutlass.range(m_begin, m_end, unroll=1):
             if const_expr(self.persistent):
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
                                          number_of_threads=DQ_THREADS)
-            cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
+            cute.arch.barrier(barrier_id=bar(Barrier.DQ_FULL, Barrier.DQ_FULL_ODD, m_block),
+                              number_of_threads=threads)
             if lane == 0:
                 gdQ = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, self.d),
                                       (m_block, 0))
@@ -996,9 +1050,14 @@ class FlashBwdSm90:
             cute.arch.sync_warp()
             if const_expr(not self.persistent):
                 if m_block + 1 < m_end:  # no arrive without a matching wait after the last
-                    cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
-                                             number_of_threads=DQ_THREADS)
+                    cute.arch.barrier_arrive(
+                        barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_block + 1),
+                        number_of_threads=threads)
         return carry
+
+    def hand_off_barrier(self, even: Barrier, odd: Barrier, m_block: Int32):
+        """The dQ hand-off barrier of query block ``m_block`` (cfg.stagger: by parity)."""
+        return parity_barrier(even, odd, m_block) if self.cfg.stagger else int(even)
 
     @cute.jit
     def epilogue(self, mma_dkv: cute.TiledMma, tdKrdK: cute.Tensor, tdVrdV: cute.Tensor,
