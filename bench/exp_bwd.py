@@ -44,24 +44,28 @@ import torch
 
 from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from flash_cute import backward, dispatch
+from flash_cute.config import BWD_LOCKSTEP_128
 from flash_cute.reference import attention_ref, check_grads_close
 
 VARIANTS = {
     "default": {},
-    "alt": {"dq_split": "alt", "dq_first": False},
+    "alt": {"dq_split": "alt", "dq_first": False, "stagger": False, "early_lse_d": False},
+    # The d=128 kernel of sessions 3-4 (BWD_LOCKSTEP_128: "n" split, dq_first, lockstep).
+    "lockstep": dict(BWD_LOCKSTEP_128),
     "dq_last": {"dq_first": False},  # the order before bwd v6 (shipped at d=64)
     "deterministic": {"deterministic": True},
     "persistent": {"persistent": True},
-    "dq_first": {"dq_first": True},
+    "dq_first": {"dq_first": True},  # d=64 ("alt"); at d=128 see "lockstep"
     "dq_first_persistent": {"dq_first": True, "persistent": True},
-    "tm128": {"tile_m": 128, "dq_split": "m"},
-    "tm80": {"tile_m": 80, "dq_split": "t"},
+    "tm128": {"tile_m": 128, "dq_split": "m"},  # shipped at d=64 non-causal (batched)
+    "tm64": {"tile_m": 64, "dq_split": "alt"},
+    "tm80": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t"},
     # docs/sass_bwd_vs_fa4.md: uniform dQ descriptors (d=128, tm80, tm128; a no-op for "alt"),
     # LSE / D read into registers before the wgmma waits (tile_m 64), and both.
     "udq": {"uniform_dq_desc": True},
     "early_lse_d": {"early_lse_d": True},
     "udq_lse": {"uniform_dq_desc": True, "early_lse_d": True},
-    "tm80_udq": {"tile_m": 80, "dq_split": "t", "uniform_dq_desc": True},
+    "tm80_udq": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t", "uniform_dq_desc": True},
     "wide_old": {"stages": 1, "do_stages": 0, "dq_per_turn": False},
     "wide_early_do": {"stages": 1, "do_stages": 1, "dq_per_turn": False},
     "wide_turns": {"stages": 1, "do_stages": 0, "dq_per_turn": True},

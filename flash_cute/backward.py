@@ -66,8 +66,8 @@ import threading
 
 import torch
 
-from .config import (BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_WIDE_HEAD_DIMS, BwdSm90Config,
-                     heads_per_section)
+from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80,
+                     BWD_WIDE_HEAD_DIMS, BwdSm90Config, heads_per_section)
 from .dispatch import NO_VARLEN, compile_kernel
 from .kernels.common.seqlen import pad_offset
 
@@ -249,8 +249,14 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
 
     _check_arch(arch)
     dt = getattr(cutlass, dtype_name)
-    if cfg_overrides.get("persistent") and "tma_epilogue" not in cfg_overrides:
-        cfg_overrides["tma_epilogue"] = False  # config.py: the pairing is not GPU-checked
+    if cfg_overrides.get("persistent"):
+        # config.py: the staged epilogue pairing is not GPU-checked; stagger is one CTA per tile
+        for field in ("tma_epilogue", "stagger"):
+            cfg_overrides.setdefault(field, False)
+    if varlen and gqa and d == 128 and not set(BWD_LOCKSTEP_128) & set(cfg_overrides):
+        # "alt" spills there (a 64-bit value reloaded per query block, 8-12 bytes): the varlen
+        # GQA kernel keeps the lockstep one (same tile and padding, so the host is unchanged).
+        cfg_overrides = {**BWD_LOCKSTEP_128, **cfg_overrides}
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
     dkv_dt = cutlass.Float32 if gqa else dt
@@ -337,6 +343,22 @@ def env_overrides() -> dict:
                 raise ValueError(f"{CONFIG_ENV}={spec!r}: {name} takes a {kind.__name__}, "
                                  f"not {value!r}") from None
     return out
+
+
+# The batched d=64 non-causal backward takes the 128-row query tile (FA3/FA4's) since its
+# 16-bit conversions are packed: +6% at s=4k, +17% at s=512 over 64 rows (H200, session 5,
+# bench/exp_bwd.py --d 64 --also-short default tm128). Causal measured within noise (-2..+2%)
+# and varlen was not timed, so both keep 64.
+BATCHED_TILE_M128 = {"tile_m": 128, "dq_split": "m"}
+
+
+def batched_overrides(d: int, causal: bool, cfg_overrides=None):
+    """The batched backward's config overrides: BATCHED_TILE_M128 at d=64 non-causal unless
+    the caller or FLASH_CUTE_BWD_CONFIG chooses the tile."""
+    chosen = set(cfg_overrides or {}) | set(env_overrides())
+    if d == 64 and not causal and not chosen & set(BATCHED_TILE_M128):
+        return {**BATCHED_TILE_M128, **(cfg_overrides or {})}
+    return cfg_overrides
 
 
 def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:
@@ -462,6 +484,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if dk.numel() == 0:
         return dq.zero_(), dk, dv
     _require_runnable(d, q.device)
+    cfg_overrides = batched_overrides(d, causal, cfg_overrides)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)
@@ -521,6 +544,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if seqused_k is not None:  # the kernel writes no key row past seqused_k
         dk.zero_(), dv.zero_()
     _require_runnable(d, q.device)
+    cfg_overrides = batched_overrides(d, causal, cfg_overrides)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)

@@ -124,6 +124,9 @@ DQ_FIRST_MAX_COLS = 64
 # MMA warpgroups of kernels/sm90/bwd.py, 64 rows (one wgmma M) each: dq_split="m" gives each
 # warpgroup 64 query rows of the dQ tile, so it needs tile_m = 64 * BWD_MMA_WG.
 BWD_MMA_WG = 2
+# The d=128 backward of sessions 3-4 (dQ split along d, dQ issued before dK, the warpgroups
+# meeting twice per block): the base of the opt-in tile_m 80 and the reference for stagger.
+BWD_LOCKSTEP_128 = {"dq_split": "n", "dq_first": True, "stagger": False, "early_lse_d": False}
 # tile_m = 128 doubles S^T / dP^T (64 fp32 registers each per thread): with dK + dV
 # (2 * 64 * d / 128) that fits the 240 registers only at d = 64.
 BWD_TILE_M128_HEAD_DIMS = (64,)
@@ -257,12 +260,14 @@ class BwdSm90Config:
                                  **WIDE_256_PREFETCH)
         # A chunk must be whole 128-byte swizzle atoms of K^T (64 elements); d = 96 uses a
         # 64-byte atom (32 elements) and runs in one piece (48 registers).
-        # "alt" at d=64/96 measured +27-29% over per-warpgroup tiles; at d=128 "n" and "alt"
-        # are within noise, "n" keeps the warpgroups balanced.
-        # dq_first (dQ issued before dK, its sdQ stores under dK): +2-4% at d=128, -2..-10% at
-        # d=64 (H200, bench/exp_bwd.py, docs/performance.md bwd v6); on at d=128 only.
-        return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d,
-                             dq_split="n" if d % 128 == 0 else "alt", dq_first=d == 128)
+        # "alt" at d=64/96 measured +27-29% over per-warpgroup tiles. dq_first (dQ issued
+        # before dK): +2-4% for the d-split at d=128, -2..-10% at d=64 (bwd v6).
+        # d=128 (session 5): "alt" turns with the warpgroups staggered and LSE / D read
+        # early, +2-3% at s=16k and +6% at s <= 1k over the d-split in lockstep
+        # (BWD_LOCKSTEP_128; bench/exp_bwd.py lockstep stagger_lse).
+        if d == 128:
+            return BwdSm90Config(head_dim=d, dq_split="alt", stagger=True, early_lse_d=True)
+        return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d, dq_split="alt")
 
     def __post_init__(self):
         if self.dq_split not in ("n", "alt", "m", "t"):

@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flash_cute import backward
-from flash_cute.config import BWD_SUPPORTED_HEAD_DIMS, BWD_WIDE_HEAD_DIMS, BwdSm90Config
+from flash_cute.config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_WIDE_HEAD_DIMS,
+                               BwdSm90Config)
 from flash_cute.kernels.common import block_info
 from flash_cute.kernels.common.seqlen import pad_offset
 from flash_cute.kernels.sm90.bwd import NUM_MMA_WG, WG_THREADS
@@ -31,6 +32,7 @@ def _arch():
 
 
 VARIANTS = [v for v in backward.bwd_variants() if not v[-1] or v[0] == "BFloat16"]
+TM80 = {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t"}  # the opt-in d=128 non-causal tile
 MMA_THREADS = NUM_MMA_WG * WG_THREADS
 
 
@@ -56,9 +58,15 @@ DQ_FIRST_VARIANTS = [(d, c, False, False, False, False) for d in (64, 128)
 def main_cubin(dtype, d, causal, gqa, deterministic, varlen=False, persistent=False,
                dq_first=False):
     """Each variant compiled once per session (the varlen tests compare with the batched)."""
-    extra = {"dq_first": True} if dq_first else {}
     return backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, varlen=varlen,
-                              persistent=persistent, **extra)
+                              persistent=persistent, **dq_first_overrides(d, dq_first))
+
+
+def dq_first_overrides(d, dq_first):
+    """cfg.dq_first applies to the d-split at d=128 (the lockstep kernel), to "alt" at d=64."""
+    if not dq_first:
+        return {}
+    return dict(BWD_LOCKSTEP_128) if d == 128 else {"dq_first": True}
 
 
 def check_main_sass(ops):
@@ -153,9 +161,9 @@ def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, dq_first, tmp_path
                           monkeypatch):
     """C7514 (accumulators read while their wgmma may run) is the dq_first ordering's risk."""
     monkeypatch.chdir(tmp_path)
-    extra = {"dq_first": True} if dq_first else {}
     check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa, varlen=varlen,
-                                 persistent=persistent, **extra), tmp_path)
+                                 persistent=persistent, **dq_first_overrides(d, dq_first)),
+                tmp_path)
 
 
 # cfg.tma_epilogue (opt-in): dK / dV staged in sK / sV, then TMA stores (varlen: 16-byte row
@@ -288,8 +296,8 @@ def test_bwd_cache_key_ignores_lengths():
 
 def test_dq_first_config_rejects_wide_dq_tiles():
     """dq_first compiles cleanly only for a dQ tile of <= 64 columns per warpgroup."""
-    for d in (64, 128):
-        dataclasses.replace(BwdSm90Config.for_head_dim(d), dq_first=True)
+    dataclasses.replace(BwdSm90Config.for_head_dim(64), dq_first=True)
+    dataclasses.replace(BwdSm90Config.for_head_dim(128), **BWD_LOCKSTEP_128)
     for d, split in ((96, "alt"), (128, "alt")):
         with pytest.raises(ValueError, match="dq_first"):
             dataclasses.replace(BwdSm90Config.for_head_dim(d), dq_split=split, dq_first=True)
@@ -461,7 +469,7 @@ def test_bwd_main_tile_m128_compiles(dtype, causal, gqa, deterministic, varlen, 
 
 def test_tile_m80_config():
     """tile_m 80 (opt-in, d=128 non-causal): only with the transposed dQ tile ("t")."""
-    cfg = backward.bwd_config(128, {"tile_m": 80, "dq_split": "t"}, causal=False)
+    cfg = backward.bwd_config(128, TM80, causal=False)
     assert cfg.tile_m == 80 and cfg.dq_row == 128 and cfg.dq_first
     assert BwdSm90Config.for_head_dim(128).dq_row == 128 + 8  # the default keeps its pad
     for d, ov in ((128, {"tile_m": 80}), (128, {"dq_split": "t"}),
@@ -469,7 +477,7 @@ def test_tile_m80_config():
         with pytest.raises(ValueError):
             backward.bwd_config(d, ov)
     with pytest.raises(ValueError, match="non-causal"):
-        backward.bwd_config(128, {"tile_m": 80, "dq_split": "t"}, causal=True)
+        backward.bwd_config(128, TM80, causal=True)
 
 
 @pytest.mark.parametrize("dtype,gqa,deterministic,varlen,persistent", [
@@ -482,7 +490,7 @@ def test_bwd_main_tile_m80_compiles(dtype, gqa, deterministic, varlen, persisten
     ptxas reports a few dozen bytes of scalar spills (bwd.py module docstring), so no spill
     assertion here."""
     monkeypatch.chdir(tmp_path)
-    ov = {"tile_m": 80, "dq_split": "t"}
+    ov = TM80
     ptx = backward.bwd_ptx(ARCH, dtype, 128, False, gqa, deterministic, varlen=varlen,
                            persistent=persistent, **ov)
     assert "m64n80k16" in ptx
@@ -533,12 +541,13 @@ def test_bwd_sass_flags_ptxas(dtype, d, causal, gqa, deterministic, varlen, pers
 
 
 def test_bwd_uniform_dq_desc_sass(tmp_path, monkeypatch):
-    """d=128 ("n"): the dQ wgmma descriptors stay uniform, no R2UR per dQ HGMMA (16 per query
-    block by default, in the masked and in the unmasked loop)."""
+    """d=128 ("n", the lockstep kernel): the dQ wgmma descriptors stay uniform, no R2UR per
+    dQ HGMMA (16 per query block without, in the masked and in the unmasked loop)."""
     monkeypatch.chdir(tmp_path)
-    default = sass_opcodes(main_cubin("BFloat16", 128, True, False, False), tmp_path)
-    ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", 128, True, uniform_dq_desc=True),
-                       tmp_path)
+    default = sass_opcodes(main_cubin("BFloat16", 128, True, False, False, dq_first=True),
+                           tmp_path)
+    ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", 128, True, uniform_dq_desc=True,
+                                          **BWD_LOCKSTEP_128), tmp_path)
     check_main_sass(ops)
     assert ops["HGMMA"] == default["HGMMA"]
     assert default.get("R2UR", 0) - ops.get("R2UR", 0) >= 32, (default.get("R2UR"),
@@ -550,12 +559,12 @@ def test_bwd_sass_flags_reject():
         with pytest.raises(ValueError, match=flag):
             dataclasses.replace(BwdSm90Config.for_head_dim(256), **{flag: True})
     with pytest.raises(ValueError, match="early_lse_d"):
-        backward.bwd_config(128, {"tile_m": 80, "dq_split": "t", "early_lse_d": True})
-    backward.bwd_config(128, {"tile_m": 80, "dq_split": "t", "uniform_dq_desc": True})
+        backward.bwd_config(128, {**TM80, "early_lse_d": True})
+    backward.bwd_config(128, {**TM80, "uniform_dq_desc": True})
 
 
 def test_bwd_uniform_dq_desc_tile_m80_ptxas(tmp_path, monkeypatch):
     """uniform_dq_desc applies to the opt-in tile_m 80 ("t") too (bench/exp_bwd.py "tm80_udq")."""
     monkeypatch.chdir(tmp_path)
-    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", 128, False, tile_m=80, dq_split="t",
-                                 uniform_dq_desc=True), tmp_path)
+    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", 128, False, uniform_dq_desc=True, **TM80),
+                tmp_path)

@@ -2,9 +2,10 @@
 
 STATUS: checked on the H200: batched (bench/check_bwd.py), varlen (bench/check_varlen_bwd.py),
 the persistent variant (``cfg.persistent``, opt-in: 0-24% slower than one tile per CTA),
-dq_first (on at d=128) and the staged dK / dV epilogue (``cfg.tma_epilogue``, on). The opt-in
-query tiles (tile_m 128 at d=64, 80 at d=128) are correct and 9-18% slower; their design
-notes and measurements are in docs/performance.md and docs/sass_bwd_vs_fa4.md.
+staggered warpgroups (``cfg.stagger``, on at d=128), dq_first (the lockstep d=128 kernel,
+varlen GQA) and the staged dK / dV epilogue (``cfg.tma_epilogue``, on). Query tiles: 64 rows;
+128 for the batched d=64 non-causal backward (+6-17%); 80 at d=128 is opt-in (13% slower).
+Measurements in docs/performance.md and docs/sass_bwd_vs_fa4.md.
 
 Math (per batch and query head; S = Q K^T unscaled, scale = softmax_scale):
 
@@ -75,10 +76,14 @@ visible (after fence.proxy.async) before the dQ wgmma reads sdS; DQ_FULL / DQ_EM
 (256 + 32) hand sdQ between the mma warpgroups and the dQ warp, one of each per query block
 (dq_tile says how the dQ warp's arrives stay matched, also across persistent tiles); TAIL
 (256, varlen) orders the zeroing of rows past a sequence before any wgmma reads them;
-KV_FREE, DKV_STAGED: cfg.tma_epilogue (below). All are per query block or per tile and used
-by both warpgroups alike, so they repeat across tiles unchanged. sdS's two buffers alternate
-by the CTA's running block count (not m_block, which may restart at the same parity in the
-next tile).
+KV_FREE, DKV_STAGED: cfg.tma_epilogue (below). ``cfg.stagger`` ("alt"): only the warpgroup
+with the block's dQ turn waits at DS_READY (the other arrives and runs on, a dQ GEMM ahead),
+DQ_FULL / DQ_EMPTY count that warpgroup and the dQ warp, and the three alternate with the
+block's parity (the *_ODD ids), see ``staggered_dq``. All are per query block or per tile, so
+they repeat across tiles unchanged. sdS's two buffers alternate by the CTA's running block
+count (not m_block, which may restart at the same parity in the next tile); staggered, a
+warpgroup rewrites buffer b two blocks later, after the other's dQ of b (its own, or the one
+its DS_READY wait followed).
 
 Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 
