@@ -220,9 +220,11 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
     # The main kernel's query tile (its padding unit); None: the shipped config's.
     cfg = BwdSm90Config.for_head_dim(d)
     if tile_m is not None and tile_m != cfg.tile_m:
-        # tile_m 128 splits the dQ tile along its rows, 80 transposes it (config.py).
+        # tile_m 128 splits the dQ tile along its rows, 80 transposes it (config.py); only
+        # the tile and the dQ row padding matter here, not the main loop's flags.
         cfg = dataclasses.replace(cfg, tile_m=tile_m,
-                                  dq_split="t" if tile_m == BWD_TILE_M80 else "m")
+                                  dq_split="t" if tile_m == BWD_TILE_M80 else "m",
+                                  stagger=False, early_lse_d=False)
     b, sq, h = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if varlen:
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq),
