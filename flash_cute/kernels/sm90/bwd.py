@@ -87,23 +87,19 @@ its DS_READY wait followed).
 
 Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 
-    S^T  | dP^T | [wait 1: S^T]  (mask) P^T = exp2(...) | dV | [wait 1: dP^T] dS^T | sdS, bar |
-    dK | [DQ_EMPTY] dQ chunk(s) [wait 0] -> sdQ | [DQ_FULL arrive] | release stage
+    S^T | dP^T | [wait 1: S^T] (mask) P^T = exp2(...) | dV | [wait 1: dP^T] dS^T | then:
+    default      sdS, bar | dK | [DQ_EMPTY] dQ chunk(s) [wait 0] -> sdQ | [DQ_FULL]
+    cfg.dq_first sdS, bar | dQ | dK | [DQ_EMPTY] [wait 1: dQ] -> sdQ | [DQ_FULL] | [wait 0]
+    cfg.stagger  dK | sdS | turn: [bar] [DQ_EMPTY] dQ chunks [wait 0] -> sdQ | [DQ_FULL]
+                            else: bar arrive | [wait 0: dK]
+    ... release the Q / dO stage.
 
 dP^T runs under the exp2 of P^T and dV under dS; masked blocks (causal diagonal, ragged key
 tail) wait for dP^T before masking so the mask's registers do not collide with in-flight
-accumulators (the forward's lesson, docs/performance.md v3).
-
-``cfg.dq_first`` (opt-in experiment, docs/bwd_vs_fa4.md P1) reorders the tail after the sdS
-barrier, as FA3/FA4 do, so the sdQ stores, their fence and the hand-off run under dK's wgmma
-instead of after it, with the tensor cores idle:
-
-    ... sdS, bar | dQ | dK | [DQ_EMPTY] [wait 1: dQ] -> sdQ | [DQ_FULL arrive] |
-    [wait 0: dK] release stage
-
-("alt": the warpgroup without the dQ turn issues dK alone.) The same accumulators are live
-as in the default order. Only for a dQ tile of one chunk of <= 64 columns per warpgroup
-(d=64 "alt", d=128 "n"): at d=96 ptxas serializes the wgmma (C7512).
+accumulators (docs/performance.md v3). dq_first (the d=128 d-split kernel of sessions 3-4,
+kept for varlen GQA) runs the sdQ stores under dK; it needs one dQ chunk of <= 64 columns
+per warpgroup (wider ones serialize the wgmma, C7512). stagger (d=128, "alt"): see Named
+barriers; LSE / D are read before the waits there (cfg.early_lse_d, bwd_cols.py).
 
 Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     sK, sV   tile_n*d each          sQ, sdO   stages*tile_m*d each
@@ -114,46 +110,36 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     plus a second sdS buffer (16 KB) and sdQ fp32 tile_m * (d + DQ_ROW_PAD): d=64 18 KB,
     d=96 26 KB, d=128 34 KB. Totals: d=64 115 KB, d=96 155 KB, d=128 195 KB.
 
-tile_m = 128 (opt-in, d=64, ``dq_split="m"``): each mma warpgroup owns 64 query rows of the
-128 x d dQ tile; ~198 KB of shared memory; dS^T from the 16-bit P^T (``ds_from_p16``);
-``remat_tid`` rebuilds thread-index-derived addresses per query block from an opaque %tid.x
-(layout.opaque_thread_idx) instead of holding them across the loop (they spilled).
-tile_m = 80 (opt-in, d=128 non-causal, ``dq_split="t"``): dQ^T = K^T dS^T (80 is not a
-multiple of the wgmma M), stored transposed into sdQ's rows; unpadded dQ rows to fit 226 KB.
+tile_m = 128 (d=64, ``dq_split="m"``; the batched non-causal default): each mma warpgroup owns
+64 query rows of the 128 x d dQ tile; ~198 KB of shared memory; dS^T from the 16-bit P^T
+(``ds_from_p16``); P^T / dS^T converted in explicit pairs (``to_16bit``); ``remat_tid``
+rebuilds thread-index-derived addresses per query block from an opaque %tid.x instead of
+holding them across the loop (they spilled). tile_m = 80 (opt-in, d=128 non-causal,
+``dq_split="t"``): dQ^T = K^T dS^T, stored transposed into sdQ's rows (unpadded, 226 KB).
 
 Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
-(total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (sequence b
-from ``pad_offset``, whole tiles that never overlap the next sequence's). Tiles are numbered
-over the key blocks that exist (scheduler.varlen_tile_coords); the few numbers of the grid's
-bound past the last tile return before any pipeline wait or named barrier (uniform over the
-CTA: all 384 threads leave together; the mbarriers were only initialised); persistent, every
-role skips them. TMA views start at the sequence's first row but keep the packed extent, so
-the boxes at a sequence's end hold the next sequence's rows (past seqused: anything, NaN
-included). The mma warpgroups zero those rows in shared memory before any wgmma reads them: K
-and V past seqlen_k once per tile, Q and dO past seqlen_q in the one query block where the
-sequence ends. Then such a query has S = 0, P = exp2(0 - inf) = 0 exactly (LSE_log2 = +inf on
-padding rows), dP = 0 and dS = 0: nothing reaches dK / dV; keys past
-seqlen_k are masked as a ragged tail and their zero K / V rows keep dS = 0 and dQ finite
-(0 * NaN would not be). dK / dV rows past seqlen_k are never stored (the next sequence's);
-dQ tiles are reduced into the sequence's own padded rows, and the deterministic semaphores are
-per padded query tile (h, rows / tile_m).
+(total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (whole
+tiles per sequence). Tiles are numbered over the key blocks that exist
+(scheduler.varlen_tile_coords); numbers past the last tile return before any pipeline wait
+or named barrier (all 384 threads together). TMA boxes at a sequence's end hold the next
+sequence's rows (past seqused: anything, NaN included), so the mma warpgroups zero them in
+shared memory before any wgmma reads them (K / V once per tile, Q / dO in the block where
+the sequence ends): such a query gets P = exp2(0 - inf) = 0 (LSE_log2 = +inf on padding
+rows) and dS = 0, masked keys keep dS = 0 and dQ finite (0 * NaN would not be). dK / dV rows
+past seqlen_k are never stored; the deterministic semaphores are per padded query tile.
 
 Registers (per mma thread, fp32 unless noted): dK + dV 2 * 64 * d / 128 (d=128: 128), S^T and
-dP^T 2 * 32, P^T and dS^T 2-byte 16 + 16, dQ chunk 32: an estimated ~210 live at d=128 of the
-240 that setmaxnreg grants. ptxas (-v) reports no spills and no C7512 for every variant.
+dP^T 2 * 32, P^T and dS^T 2-byte 16 + 16, dQ chunk 32: ~210 live at d=128 of the 240 that
+setmaxnreg grants. The compile tests check every shipped variant for spills and C7512/C7514.
 
-``cfg.tma_epilogue`` (on; docs/bwd_vs_fa4.md P3; +2% geomean, +3-5% at s <= 2k): dK * scale and
-dV, converted to the input dtype, are staged in sK / sV (no extra shared memory) with
-stmatrix once KV_FREE (256) says no wgmma reads them any more (dQ reads all of sK), then leave
-by one TMA store per tile (clipped at seqlen_k), issued by the first mma warp after DKV_STAGED
-(it waits, the others arrive and move on); varlen by predicated 16-byte row stores of the rows
-inside the sequence (a TMA box would write the next one's). GQA keeps the register stores
-(fp32: twice sK / sV's bytes). kernels/sm90/epilogue.py, store_staged.
+``cfg.tma_epilogue`` (on): dK * scale and dV, in the input dtype, are staged in sK / sV with
+stmatrix once KV_FREE (256) says no wgmma reads them, then leave by one TMA store per tile
+(clipped at seqlen_k) from the first mma warp after DKV_STAGED; varlen by predicated 16-byte
+row stores (a box would write the next sequence's rows). GQA keeps the register stores (fp32:
+twice sK / sV's bytes). kernels/sm90/epilogue.py, store_staged.
 """
-import enum
-from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -170,6 +156,8 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, pdl
+from .bwd_types import (Barrier, DkvOut, KeyTile, LoadOperands, PersistentTiles,
+                        parity_barrier)
 from .epilogue import store_acc_rows, store_staged
 from .pipelines import bulk_reduce_add_f32, make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -186,91 +174,6 @@ DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ tur
 DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
 STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
 AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself (to_16bit)
-
-
-class Barrier(enum.IntEnum):
-    SYNC_THREADS = 0  # reserved by __syncthreads
-    DS_READY = 1      # both warpgroups' dS^T rows are in shared memory
-    DQ_FULL = 2       # mma warpgroups -> dQ warp: the sdQ tile is written
-    DQ_EMPTY = 3      # dQ warp -> mma warpgroups: the bulk reduce has read sdQ
-    TAIL = 4          # varlen: rows past a sequence are zeroed in sK/sV or sQ/sdO
-    P_READY = 5       # wide kernel (bwd_wide.py): both warpgroups' P^T columns are in sP
-    KV_FREE = 6       # staged epilogue: no wgmma reads sK / sV any more
-    DKV_STAGED = 7    # staged epilogue: dK / dV are in sK / sV
-    # cfg.stagger: DS_READY / DQ_FULL / DQ_EMPTY of odd query blocks (``parity_barrier``)
-    DS_READY_ODD = 8
-    DQ_FULL_ODD = 9
-    DQ_EMPTY_ODD = 10
-
-
-def parity_barrier(even: Barrier, odd: Barrier, step: Int32) -> Int32:
-    """cfg.stagger: the barrier of query block ``step``, alternating by parity. The two
-    warpgroups may be a block apart, so one id for consecutive blocks could complete a phase
-    with one warpgroup's arrivals of two different blocks."""
-    return Int32(int(even)) + (step % 2) * (int(odd) - int(even))
-
-
-@dataclass(frozen=True)
-class KeyTile:
-    """One work tile: key block ``n_block`` of (query) ``head`` and ``batch``, and the query
-    blocks m_begin .. m_end - 1 that see its keys."""
-    n_block: Int32
-    head: Int32
-    batch: Int32
-    seq: SeqlenInfo
-    m_begin: Int32
-    m_end: Int32
-    # Varlen: false past the last tile (the grid is a bound). Every role skips such a tile the
-    # same way (persistent) or the whole CTA leaves.
-    has_keys: bool
-
-
-@dataclass(frozen=True)
-class PersistentTiles:
-    """Persistent: tile numbers (common/scheduler.py) and how one becomes a KeyTile."""
-    tile_at: Callable  # (n_block, head, batch) -> KeyTile
-    coords: Callable   # tile number -> (n_block, head, batch)
-    count: Int32       # tile numbers (varlen: a bound)
-
-    def num_tiles(self):
-        return self.count
-
-    def tile(self, t: Int32) -> KeyTile:
-        return self.tile_at(*self.coords(t))
-
-
-@dataclass(frozen=True)
-class LoadOperands:
-    """What the load warp moves: the global tensors, their shared-memory stages and the TMA
-    atoms between them (one bundle for load, load_kv and load_tile)."""
-    mQ: cute.Tensor
-    mK: cute.Tensor
-    mV: cute.Tensor
-    mdO: cute.Tensor
-    mLSE: cute.Tensor
-    mD: cute.Tensor
-    sQ: cute.Tensor
-    sK: cute.Tensor
-    sV: cute.Tensor
-    sdO: cute.Tensor
-    sLSE: cute.Tensor
-    sD: cute.Tensor
-    tma_q: cute.CopyAtom
-    tma_k: cute.CopyAtom
-    tma_v: cute.CopyAtom
-    tma_do: cute.CopyAtom
-    tma_lse: cute.CopyAtom
-    tma_d: cute.CopyAtom
-
-
-@dataclass(frozen=True)
-class DkvOut:
-    """Where dK and dV go: the global tensors (staged batched epilogue: their TMA views) and
-    the TMA store atoms (None unless the epilogue stores by TMA)."""
-    mdK: cute.Tensor
-    mdV: cute.Tensor
-    tma_dk: Optional[cute.CopyAtom]
-    tma_dv: Optional[cute.CopyAtom]
 
 
 class FlashBwdSm90:

@@ -106,8 +106,8 @@ from cutlass.cute.nvgpu import warp, warpgroup
 
 from ...config import BwdSm90Config
 from ..common.layout import acc_as_mn, transpose_mn
-from .bwd import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, FlashBwdSm90, KeyTile,
-                  LoadOperands)
+from .bwd import DQ_THREADS, NUM_MMA_WG, WG_THREADS, FlashBwdSm90
+from .bwd_types import Barrier, DkvOut, KeyTile, LoadOperands
 from .pipelines import bulk_reduce_add_f32
 from .wgmma import gemm, make_smem_layout
 
