@@ -23,6 +23,7 @@ from flash_cute.kernels.common.seqlen import pad_offset
 from flash_cute.kernels.sm90.bwd import NUM_MMA_WG, WG_THREADS
 from flash_cute.reference import attention_ref
 
+import sass_utils
 from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_opcodes
 
 
@@ -571,3 +572,56 @@ def test_bwd_uniform_dq_desc_tile_m80_ptxas(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", 128, False, uniform_dq_desc=True, **TM80),
                 tmp_path)
+
+
+def test_stagger_config(monkeypatch):
+    """cfg.stagger: shipped at d=128 with "alt" turns; refused where its barriers do not
+    apply (another split, dq_first, the persistent or the wide kernel)."""
+    cfg = BwdSm90Config.for_head_dim(128)
+    assert cfg.stagger and cfg.dq_split == "alt" and cfg.early_lse_d and not cfg.dq_first
+    assert not any(BwdSm90Config.for_head_dim(d).stagger for d in (64, 96, 192, 256))
+    for ov in ({"dq_split": "n"}, {"dq_first": True, "dq_split": "n"}, {"persistent": True}):
+        with pytest.raises(ValueError, match="stagger"):
+            dataclasses.replace(cfg, **ov)
+    with pytest.raises(ValueError, match="stagger"):
+        dataclasses.replace(BwdSm90Config.for_head_dim(256), stagger=True)
+    dataclasses.replace(cfg, **BWD_LOCKSTEP_128)  # the session-4 kernel stays reachable
+
+
+def test_batched_tile_m128_overrides(monkeypatch):
+    """The batched d=64 non-causal backward takes 128-row query tiles unless the caller or
+    FLASH_CUTE_BWD_CONFIG picks the tile; causal and other head dims keep their config."""
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    assert backward.batched_overrides(64, False) == backward.BATCHED_TILE_M128
+    assert backward.bwd_config(64, backward.batched_overrides(64, False), False).tile_m == 128
+    assert backward.batched_overrides(64, True) is None
+    assert backward.batched_overrides(128, False, {"pdl": True}) == {"pdl": True}
+    assert backward.batched_overrides(64, False, {"tile_m": 64}) == {"tile_m": 64}
+    assert backward.batched_overrides(64, False, {"pdl": True}) == {
+        **backward.BATCHED_TILE_M128, "pdl": True}
+    monkeypatch.setenv(backward.CONFIG_ENV, "dq_split=alt")
+    assert backward.batched_overrides(64, False) is None
+
+
+def test_bwd_stagger_sass(tmp_path, monkeypatch):
+    """d=128's staggered loop: the dQ hand-off counts one warpgroup and the dQ warp (160 =
+    0xa0 threads) and the per-parity barrier ids are registers; the lockstep kernel's count
+    both warpgroups (288 = 0x120) at fixed ids."""
+    monkeypatch.chdir(tmp_path)
+    nvdisasm = sass_utils.nvdisasm_path()
+    if nvdisasm is None:
+        pytest.skip("nvdisasm not installed")
+
+    def bars(**ov):
+        path = tmp_path / "k.cubin"
+        path.write_bytes(backward.bwd_cubin(ARCH, "BFloat16", 128, True, **ov))
+        sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+        return [" ".join(line.split("BAR.")[1].split()[:3]) for line in sass.splitlines()
+                if "BAR.SYNC" in line or "BAR.ARV" in line]
+
+    staggered, lockstep = bars(), bars(**BWD_LOCKSTEP_128)
+    assert any(b.startswith("SYNC.DEFER_BLOCKING R") and "0xa0" in b for b in staggered), staggered
+    assert any(b.startswith("ARV R") and "0x100" in b for b in staggered), staggered
+    assert not any("0x120" in b for b in staggered), staggered
+    assert any("0x120" in b for b in lockstep), lockstep
