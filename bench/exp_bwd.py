@@ -78,6 +78,10 @@ VARIANTS = {
     # BwdSm90Config.stagger (session 5): "alt" dQ turns, the other warpgroup runs on.
     "stagger": {"dq_split": "alt", "dq_first": False, "stagger": True},
     "stagger_lse": {"dq_split": "alt", "dq_first": False, "stagger": True, "early_lse_d": True},
+    # d=64: the 128-row tile with "alt" dQ turns (one warpgroup computes the whole 128 x 64
+    # tile) so the warpgroups can stagger; compiled clean, not yet timed (session 5).
+    "tm128_alt": {"tile_m": 128, "dq_split": "alt"},
+    "tm128_stagger": {"tile_m": 128, "dq_split": "alt", "stagger": True},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.

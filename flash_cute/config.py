@@ -286,11 +286,12 @@ class BwdSm90Config:
                              f"per mma warpgroup) and the narrow kernel, got tile_m "
                              f"{self.tile_m}, wide {self.wide}")
         if not self.wide and self.tile_m not in (64, BWD_TILE_M80):
-            # tile_m 128: a dQ tile of 128 rows fits the registers only split along the rows.
-            if self.tile_m != 64 * BWD_MMA_WG or self.dq_split != "m" or \
+            # tile_m 128: the 128 x d dQ tile split along the rows ("m") or, at d=64, by one
+            # warpgroup in turn ("alt": 64 accumulator registers, opt-in with stagger).
+            if self.tile_m != 64 * BWD_MMA_WG or self.dq_split not in ("m", "alt") or \
                     self.head_dim not in BWD_TILE_M128_HEAD_DIMS:
                 raise ValueError(f"tile_m={self.tile_m}: the narrow backward takes 64, "
-                                 f"{64 * BWD_MMA_WG} with dq_split='m' at head_dim in "
+                                 f"{64 * BWD_MMA_WG} with dq_split 'm' or 'alt' at head_dim in "
                                  f"{BWD_TILE_M128_HEAD_DIMS}, or {BWD_TILE_M80} with "
                                  f"dq_split='t'; got dq_split {self.dq_split!r}, "
                                  f"head_dim {self.head_dim}")

@@ -447,10 +447,11 @@ def test_varlen_padded_rows_disjoint(lens, tile_m):
 
 
 def test_tile_m128_config():
-    """tile_m 128 (opt-in, d=64): only with the dQ tile split along its rows ("m")."""
+    """tile_m 128 (d=64): the dQ tile split along its rows ("m") or one warpgroup's turn."""
     cfg = backward.bwd_config(64, {"tile_m": 128, "dq_split": "m"})
     assert cfg.tile_m == 128 and BwdSm90Config.for_head_dim(64).tile_m == 64
-    for d, ov in ((64, {"tile_m": 128}), (128, {"tile_m": 128, "dq_split": "m"}),
+    backward.bwd_config(64, {"tile_m": 128, "dq_split": "alt"})  # one warpgroup's turn
+    for d, ov in ((64, {"tile_m": 128, "dq_split": "n"}), (128, {"tile_m": 128, "dq_split": "m"}),
                   (64, {"dq_split": "m"})):
         with pytest.raises(ValueError):
             backward.bwd_config(d, ov)
@@ -625,3 +626,17 @@ def test_bwd_stagger_sass(tmp_path, monkeypatch):
     assert any(b.startswith("ARV R") and "0x100" in b for b in staggered), staggered
     assert not any("0x120" in b for b in staggered), staggered
     assert any("0x120" in b for b in lockstep), lockstep
+
+
+@pytest.mark.parametrize("dtype,causal,gqa,deterministic,varlen", [
+    ("BFloat16", False, False, False, False), ("BFloat16", True, False, True, False),
+    ("Float16", True, True, True, False), ("Float16", False, True, False, True)],
+    ids=lambda v: str(v))
+def test_bwd_tile_m128_stagger_ptxas(dtype, causal, gqa, deterministic, varlen, tmp_path,
+                                     monkeypatch):
+    """d=64, tile_m 128 with "alt" dQ turns and stagger (opt-in, bench/exp_bwd.py
+    tm128_stagger): one warpgroup's 128 x 64 dQ tile (two wgmma M) fits without spills and
+    without serializing the wgmma."""
+    monkeypatch.chdir(tmp_path)
+    check_ptxas(backward.bwd_ptx(ARCH, dtype, 64, causal, gqa, deterministic, varlen=varlen,
+                                 tile_m=128, dq_split="alt", stagger=True), tmp_path)

@@ -344,10 +344,10 @@ class FlashBwdSm90:
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
                 tiler_mn=(tm // NUM_MMA_WG, d))
-        else:
+        else:  # one wgmma M: a 128-row tile ("alt" at tile_m 128) repeats it along M
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
-                tiler_mn=(tm, self.cfg.dq_chunk))
+                tiler_mn=(KEYS_PER_WG, self.cfg.dq_chunk))
         return mma_sdp, mma_dkv, mma_dq
 
     def smem_layouts(self):
