@@ -28,6 +28,13 @@ VARIANTS = {
     # The same with the dynamic tile order (an atomic tile counter; a zeroed counter per call
     # is part of the timed work, as in dispatch.fwd).
     "persistent_dyn": lambda d, causal: persistent_fwd_overrides(d, causal, dynamic=True),
+    # Warpgroup ping-pong (one tile per CTA, two consumer warpgroups: not d=64), as FA4 runs
+    # it: its S and PV GEMMs issue in turns, so the two softmaxes do not meet on the SFU
+    # (session 5's backward lesson; our forward waits 6% of its samples on the PV wgmma before
+    # the exp2 under ncu, FA4's 0.1%). Compiles clean at d=128 / 256; untimed since session 1.
+    "pingpong": lambda d, causal: {"pingpong": True} if d != 64 else None,
+    "pingpong_packed": lambda d, causal: (
+        {"pingpong": True, "packed_p_cvt": True} if d != 64 else None),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True),
