@@ -546,7 +546,6 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if seqused_k is not None:  # the kernel writes no key row past seqused_k
         dk.zero_(), dv.zero_()
     _require_runnable(d, q.device)
-    cfg_overrides = batched_overrides(d, causal, cfg_overrides)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)
