@@ -575,7 +575,7 @@ def test_bwd_uniform_dq_desc_tile_m80_ptxas(tmp_path, monkeypatch):
                 tmp_path)
 
 
-def test_stagger_config(monkeypatch):
+def test_stagger_config():
     """cfg.stagger: shipped at d=128 with "alt" turns; refused where its barriers do not
     apply (another split, dq_first, the persistent or the wide kernel)."""
     cfg = BwdSm90Config.for_head_dim(128)

@@ -820,11 +820,8 @@ class FlashBwdSm90:
                 # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
                 if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
-                    for c in cutlass.range_constexpr(len(tdQrK)):
-                        gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS[None, None, None, buf],
-                                                               tdQrK[c]),
-                             zero_init=True, wait_group=0)
-                        cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+                    self.dq_to_smem(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK,
+                                    tdQsdQ)
                 else:
                     warpgroup.wait_group(0)  # dK done on both paths (else ptxas serializes, C7514)
                 cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
@@ -880,10 +877,7 @@ class FlashBwdSm90:
             cute.arch.barrier(barrier_id=parity_barrier(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD,
                                                         step),
                               number_of_threads=DQ_TURN_THREADS)
-            for c in cutlass.range_constexpr(len(tdQrK)):
-                gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
-                     wait_group=0)  # the first also waits for dK
-                cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+            self.dq_to_smem(mma_dq, tdQrdQ, tdQrdS, tdQrK, tdQsdQ)  # also waits for dK
             cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
             cute.arch.barrier_arrive(barrier_id=parity_barrier(Barrier.DQ_FULL,
                                                                Barrier.DQ_FULL_ODD, step),
@@ -893,6 +887,16 @@ class FlashBwdSm90:
                                                                Barrier.DS_READY_ODD, step),
                                      number_of_threads=NUM_MMA_WG * WG_THREADS)
             warpgroup.wait_group(0)  # dK (reads sQ) done before the stage goes back
+
+    @cute.jit
+    def dq_to_smem(self, mma_dq: cute.TiledMma, tdQrdQ: cute.Tensor, tdQrdS: cute.Tensor, tdQrK,
+                   tdQsdQ):
+        """dQ = dS K chunk by chunk, each waited on (with every wgmma before it) and stored to
+        its columns of sdQ. ``tdQrdS``: this block's sdS buffer."""
+        for c in cutlass.range_constexpr(len(tdQrK)):
+            gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
+                 wait_group=0)
+            cute.autovec_copy(tdQrdQ, tdQsdQ[c])
 
     def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
         """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""
