@@ -31,13 +31,23 @@ VARIANTS = {
     # Warpgroup ping-pong (one tile per CTA, two consumer warpgroups: not d=64), as FA4 runs
     # it: its S and PV GEMMs issue in turns, so the two softmaxes do not meet on the SFU
     # (session 5's backward lesson; our forward waits 6% of its samples on the PV wgmma before
-    # the exp2 under ncu, FA4's 0.1%). Compiles clean at d=128 / 256; untimed since session 1.
+    # the exp2 under ncu, FA4's 0.1%). Session 6: +2% / +7% at d=128 / 256 causal s=16k.
     "pingpong": lambda d, causal: {"pingpong": True} if d != 64 else None,
     "pingpong_packed": lambda d, causal: (
         {"pingpong": True, "packed_p_cvt": True} if d != 64 else None),
+    # The persistent walk the dispatcher ships past one wave (dynamic when causal), and the
+    # same with ping-pong (session 6: the turns now carry over from tile to tile).
+    "persistent_ship": lambda d, causal: persistent_fwd_overrides(d, causal, dynamic=causal),
+    "pingpong_persistent": lambda d, causal: (
+        {**persistent_fwd_overrides(d, causal, dynamic=causal), "pingpong": True}
+        if d != 64 else None),
+    "pingpong_persistent_packed": lambda d, causal: (
+        {**persistent_fwd_overrides(d, causal, dynamic=causal), "pingpong": True,
+         "packed_p_cvt": True} if d != 64 else None),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
-    "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True),
+    "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),
+             (128, 16384, True),
              (256, 4096, False), (256, 16384, True)],
     # Few key blocks per tile: the per-tile prologue/epilogue and the grid tail weigh most.
     "short": [(64, 512, False), (64, 1024, True), (128, 512, False), (128, 1024, True),

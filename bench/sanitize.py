@@ -2,11 +2,12 @@
 for compute-sanitizer (memcheck, racecheck, synccheck) on the H200.
 
     compute-sanitizer --tool memcheck --report-api-errors no python bench/sanitize.py
-    compute-sanitizer --tool racecheck python bench/sanitize.py
+    compute-sanitizer --tool racecheck python bench/sanitize.py bwd128c   # one case
 Covers the one-tile forward, the persistent forward (7 CTAs, several tiles each), the fused
 backward (bwd_pre, main, bwd_post; GQA and causal) and the varlen forward and backward.
 """
 import os
+import sys
 
 import torch
 
@@ -48,8 +49,30 @@ def check_varlen(d, causal, lens=(37, 0, 200, 129)):
           f"{all(bool(torch.isfinite(g).all()) for g in (out, *got))}", flush=True)
 
 
-check(128, True, 200, 333)
-check(64, False, 130, 70)
-check(128, False, 300, 300, persistent="ctas=7")
-check(96, True, 257, 129)
-check_varlen(128, True)
+def check_fa4(d, causal, sq, sk):
+    """The peer under the same tool: a baseline for what racecheck reports on warp-specialized
+    kernels synchronized by named barriers and mbarriers."""
+    from flash_attn.cute import flash_attn_func as fa4
+    q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    out = fa4(q, k, v, causal=causal)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    torch.cuda.synchronize()
+    print(f"fa4 d={d} causal={causal} sq={sq} sk={sk}: ran", flush=True)
+
+
+CASES = {
+    "bwd128c": lambda: check(128, True, 200, 333),
+    "bwd64": lambda: check(64, False, 130, 70),
+    "persistent128": lambda: check(128, False, 300, 300, persistent="ctas=7"),
+    "bwd96c": lambda: check(96, True, 257, 129),
+    "varlen128c": lambda: check_varlen(128, True),
+    "fa4_128": lambda: check_fa4(128, False, 300, 300),
+}
+DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "varlen128c")
+if __name__ == "__main__":
+    # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
+    for name in sys.argv[1:] or DEFAULT:
+        CASES[name]()

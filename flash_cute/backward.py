@@ -347,18 +347,19 @@ def env_overrides() -> dict:
     return out
 
 
-# The batched d=64 non-causal backward takes the 128-row query tile (FA3/FA4's) since its
-# 16-bit conversions are packed: +6% at s=4k, +17% at s=512 over 64 rows (H200, session 5,
-# bench/exp_bwd.py --d 64 --also-short default tm128). Causal measured within noise (-2..+2%)
-# and varlen was not timed, so both keep 64.
-BATCHED_TILE_M128 = {"tile_m": 128, "dq_split": "m"}
+# The batched d=64 backward takes the 128-row query tile (FA3/FA4's), its 128 x 64 dQ tile
+# computed by one warpgroup in turn ("alt"). H200, session 6 (bench/exp_bwd.py --d 64
+# --also-short default tm64 tm128_alt tm128_stagger), TFLOP/s 64 rows / 128 rows "m" / 128
+# rows "alt": s=4k non-causal 389 / 422 / 478, s=16k causal 460 / - / 511, s <= 1k within 3%.
+# Varlen (per-sequence tiles padded to the tile, not timed with it) keeps 64 rows.
+BATCHED_TILE_M128 = {"tile_m": 128, "dq_split": "alt"}
 
 
-def batched_overrides(d: int, causal: bool, cfg_overrides=None):
-    """The batched backward's config overrides: BATCHED_TILE_M128 at d=64 non-causal unless
-    the caller or FLASH_CUTE_BWD_CONFIG chooses the tile."""
+def batched_overrides(d: int, cfg_overrides=None):
+    """The batched backward's config overrides: BATCHED_TILE_M128 at d=64 unless the caller
+    or FLASH_CUTE_BWD_CONFIG chooses the tile."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
-    if d == 64 and not causal and not chosen & set(BATCHED_TILE_M128):
+    if d == 64 and not chosen & set(BATCHED_TILE_M128):
         return {**BATCHED_TILE_M128, **(cfg_overrides or {})}
     return cfg_overrides
 
@@ -486,7 +487,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if dk.numel() == 0:
         return dq.zero_(), dk, dv
     _require_runnable(d, q.device)
-    cfg_overrides = batched_overrides(d, causal, cfg_overrides)
+    cfg_overrides = batched_overrides(d, cfg_overrides)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)

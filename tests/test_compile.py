@@ -29,7 +29,14 @@ EXPERIMENTS = ([("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c 
                + [("BFloat16", d, c, persistent_fwd_overrides(d, c)) for d, c in PERSISTENT_FWD]
                # Its dynamic tile order (atomic tile counter: causal default).
                + [("BFloat16", d, c, persistent_fwd_overrides(d, c, dynamic=True))
-                  for d, c in PERSISTENT_FWD])
+                  for d, c in PERSISTENT_FWD]
+               # Ping-pong (opt-in): one tile per CTA, and over the persistent walks (the
+               # turns carry over from tile to tile); timed within noise in session 6.
+               + [("BFloat16", d, c, {"pingpong": True}) for d in (128, 256)
+                  for c in (False, True)]
+               + [("BFloat16", d, c, {**persistent_fwd_overrides(d, c, dynamic=c),
+                                      "pingpong": True, "packed_p_cvt": True})
+                  for d in (128, 256) for c in (False, True)])
 
 
 @functools.lru_cache(maxsize=None)

@@ -84,6 +84,23 @@ def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monke
     check_main_sass(sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic), tmp_path))
 
 
+# The batched d=64 kernel as shipped (backward.batched_overrides: 128-row tile, "alt" dQ
+# turns; the 64-row variants above are varlen's), plus its persistent (opt-in) loop.
+BATCHED_64 = [(*v, False) for v in VARIANTS if v[1] == 64] + [
+    ("BFloat16", 64, False, True, False, True), ("BFloat16", 64, True, False, False, True)]
+
+
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,persistent", BATCHED_64,
+                         ids=lambda v: str(v))
+def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, persistent,
+                                       tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    cubin = backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic,
+                               persistent=persistent, **backward.batched_overrides(d))
+    check_main_sass(sass_opcodes(cubin, tmp_path))
+
+
 @pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", VARIANTS, ids=lambda v: str(v))
 def test_bwd_main_varlen_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monkeypatch):
     """Varlen: the same main loop (as many HGMMA as batched, still not serialized), plus the
@@ -590,18 +607,20 @@ def test_stagger_config():
 
 
 def test_batched_tile_m128_overrides(monkeypatch):
-    """The batched d=64 non-causal backward takes 128-row query tiles unless the caller or
-    FLASH_CUTE_BWD_CONFIG picks the tile; causal and other head dims keep their config."""
+    """The batched d=64 backward takes 128-row query tiles ("alt" dQ turns) unless the caller
+    or FLASH_CUTE_BWD_CONFIG picks the tile; other head dims keep their config."""
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    assert backward.batched_overrides(64, False) == backward.BATCHED_TILE_M128
-    assert backward.bwd_config(64, backward.batched_overrides(64, False), False).tile_m == 128
-    assert backward.batched_overrides(64, True) is None
-    assert backward.batched_overrides(128, False, {"pdl": True}) == {"pdl": True}
-    assert backward.batched_overrides(64, False, {"tile_m": 64}) == {"tile_m": 64}
-    assert backward.batched_overrides(64, False, {"pdl": True}) == {
+    assert backward.batched_overrides(64) == backward.BATCHED_TILE_M128
+    for causal in (False, True):
+        cfg = backward.bwd_config(64, backward.batched_overrides(64), causal)
+        assert cfg.tile_m == 128 and cfg.dq_split == "alt" and not cfg.stagger
+    assert backward.batched_overrides(128, {"pdl": True}) == {"pdl": True}
+    assert backward.batched_overrides(96) is None
+    assert backward.batched_overrides(64, {"tile_m": 64}) == {"tile_m": 64}
+    assert backward.batched_overrides(64, {"pdl": True}) == {
         **backward.BATCHED_TILE_M128, "pdl": True}
-    monkeypatch.setenv(backward.CONFIG_ENV, "dq_split=alt")
-    assert backward.batched_overrides(64, False) is None
+    monkeypatch.setenv(backward.CONFIG_ENV, "dq_split=m")
+    assert backward.batched_overrides(64) is None
 
 
 def test_bwd_stagger_sass(tmp_path, monkeypatch):

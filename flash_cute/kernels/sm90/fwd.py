@@ -276,6 +276,7 @@ class FlashFwdSm90:
                                   *self.pipeline_states(pipeline.PipelineUserType.Producer))
                 else:
                     cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
+                    self.first_turn()
                     self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k,
                                  pipe_v, scale_log2, m_block, head, batch, n_max, seq,
                                  *self.pipeline_states(pipeline.PipelineUserType.Consumer))
@@ -317,6 +318,7 @@ class FlashFwdSm90:
                 if const_expr(self.cfg.dynamic):
                     claimed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                            scheduler.TILE_SLOTS)
+                self.first_turn()
                 tile = scheduler.first_tile()
                 while tile < num_tiles:
                     m_block, head, batch = scheduler.tile_coords(tile, *order)
@@ -399,10 +401,6 @@ class FlashFwdSm90:
         mask = lambda n_block: apply_mask(  # noqa: E731
             tSrS, tScS, t0ScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
             self.causal)
-        if const_expr(self.cfg.pingpong):
-            if wg == 0:  # warpgroup 0 takes the first turn
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.TURN_WG1),
-                                         number_of_threads=2 * WG_THREADS)
 
         # First block (the last key block): always masked, no P V yet.
         pipe_q.consumer_wait(q)
@@ -503,6 +501,17 @@ class FlashFwdSm90:
             store_packed(tOrP, acc_as_operand_a(tSrS))
         else:
             tOrP.store(acc_as_operand_a(tSrS).load().to(self.dtype))
+
+    @cute.jit
+    def first_turn(self):
+        """Ping-pong: warpgroup 0 takes the first turn, once per CTA. Both warpgroups take one
+        turn per key block of the same tiles, so warpgroup 1's last pass of a tile is
+        warpgroup 0's first turn of the next (persistent) and is left pending at the end."""
+        if const_expr(self.cfg.pingpong):
+            tidx = cute.arch.thread_idx()[0] - WG_THREADS
+            if cute.arch.make_warp_uniform(tidx // WG_THREADS) == 0:
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.TURN_WG1),
+                                         number_of_threads=2 * WG_THREADS)
 
     def wait_turn(self, wg):
         if const_expr(self.cfg.pingpong):

@@ -1,0 +1,57 @@
+"""Does compute-sanitizer racecheck credit bar.arrive -> bar.sync ordering? A baseline for
+reading its reports on the staggered backward (docs/performance.md, session 6).
+
+    compute-sanitizer --tool racecheck python bench/race_arrive.py direct
+    compute-sanitizer --tool racecheck python bench/race_arrive.py chain
+    compute-sanitizer --tool racecheck python bench/race_arrive.py sync
+One CTA of 3 warps and 32 words of shared memory. "direct": warp 0 writes, arrives at barrier
+1; warp 1 waits there (bar.sync), then writes the same words. "chain": warp 0 writes, arrives
+at 1; warp 2 waits at 1, arrives at 2; warp 1 waits at 2, then writes (the staggered dQ
+hand-off's shape). "sync": warps 0 and 1 both bar.sync between the writes (the control). The
+PTX memory model orders all three; a report on "direct" or "chain" is the tool's.
+"""
+import sys
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+from cutlass.cute.runtime import from_dlpack
+
+PAIR = 64  # two warps meet at each barrier
+
+
+@cute.kernel
+def kernel(out: cute.Tensor, mode: cutlass.Constexpr):
+    smem = cutlass.utils.SmemAllocator()
+    buf = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
+    warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
+    if warp == 0:
+        buf[lane] = lane
+        if cutlass.const_expr(mode == "sync"):
+            cute.arch.barrier(barrier_id=1, number_of_threads=PAIR)
+        else:
+            cute.arch.barrier_arrive(barrier_id=1, number_of_threads=PAIR)
+    if warp == 2:
+        if cutlass.const_expr(mode == "chain"):
+            cute.arch.barrier(barrier_id=1, number_of_threads=PAIR)
+            cute.arch.barrier_arrive(barrier_id=2, number_of_threads=PAIR)
+    if warp == 1:
+        cute.arch.barrier(barrier_id=2 if cutlass.const_expr(mode == "chain") else 1,
+                          number_of_threads=PAIR)
+        buf[lane] = buf[lane] + 1
+        out[lane] = buf[lane]
+
+
+@cute.jit
+def launch(out: cute.Tensor, mode: cutlass.Constexpr):
+    kernel(out, mode).launch(grid=(1, 1, 1), block=(96, 1, 1))
+
+
+if __name__ == "__main__":
+    for mode in sys.argv[1:] or ("direct", "chain", "sync"):
+        out = torch.full((32,), -1, dtype=torch.int32, device="cuda")
+        launch(from_dlpack(out), mode)
+        torch.cuda.synchronize()
+        ok = out.tolist() == list(range(1, 33))
+        print(f"{mode}: {'ok' if ok else 'WRONG ' + str(out.tolist())}", flush=True)
