@@ -9,7 +9,11 @@ d = 128, 16 heads, causal, bf16. Same run, same packed tensors:
 TFLOP/s count only the useful work, sum over sequences of 4 * L^2 * h * d / 2 (x 2.5 for the
 backward), for every implementation. Forward, then forward + backward (one training step).
 
-    python bench/varlen_workload.py [--tokens 16384] [--seed 0]
+    python bench/varlen_workload.py [--tokens 16384] [--seed 0] [--kernels]
+
+--kernels: also one profiled training step per implementation (after the timings), its GPU
+time per kernel (torch.profiler), to split the step into forward, bwd_pre, main, bwd_post and
+the host-side glue (where the varlen backward's gap to FA4 lies).
 """
 import argparse
 
@@ -36,6 +40,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kernels", action="store_true")
     args = p.parse_args()
     lens = lengths(args.tokens, args.seed)
     total, b, longest = sum(lens), len(lens), max(lens)
@@ -84,6 +89,26 @@ def main():
                   f"fwd+bwd {3.5 * flops / t_fb / 1e9:6.0f} TFLOP/s ({t_fb:.3f} ms)", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"{name:>10}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    if args.kernels:
+        for name, fn in impls.items():
+            kernel_times(name, step(fn))
+
+
+def kernel_times(name, run, steps=5, top=8):
+    """GPU microseconds per step for the ``top`` most expensive kernels of ``run``."""
+    from torch.profiler import ProfilerActivity, profile
+    run()  # compiled and warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    rows = [(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0), e.key)
+            for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[0] > 0), reverse=True)
+    print(f"{name}: GPU time per step {sum(t for t, _ in rows) / steps:.0f} us", flush=True)
+    for t, key in rows[:top]:
+        print(f"    {t / steps:8.1f} us  {key[:90]}", flush=True)
 
 
 if __name__ == "__main__":
