@@ -11,6 +11,9 @@ hand-off's shape). "sync": warps 0 and 1 both bar.sync between the writes (the c
 PTX memory model orders all three; a report on "direct" or "chain" is the tool's.
 "turns_reg" / "turns_imm": the staggered backward's sdQ hand-off (turns_kernel), barrier ids
 in registers or immediates.
+H200, session 6: direct, chain and sync 0 hazards; turns_reg 1 and turns_imm 3 errors (warp 2's
+read vs the next turn's write), all results right: racecheck does not follow the repeated
+hand-off, the pattern of its 64 reports on the staggered d=128 backward.
 """
 import sys
 
@@ -54,36 +57,32 @@ def turns_kernel(out: cute.Tensor, steps: Int32, reg_ids: cutlass.Constexpr):
     buf = smem.allocate_tensor(Int32, cute.make_layout(32), byte_alignment=16)
     warp, lane = cute.arch.warp_idx(), cute.arch.lane_idx()
     total = Int32(0)
+    if warp == 2:
+        cute.arch.barrier_arrive(barrier_id=EMPTY, number_of_threads=PAIR)
     if cutlass.const_expr(reg_ids):
-        if warp == 2:
-            cute.arch.barrier_arrive(barrier_id=EMPTY, number_of_threads=PAIR)
         for s in cutlass.range(steps, unroll=1):
-            if warp == 2:
-                cute.arch.barrier(barrier_id=FULL + s % 2, number_of_threads=PAIR)
-                total += buf[lane]
-                if s + 1 < steps:
-                    cute.arch.barrier_arrive(barrier_id=EMPTY + (s + 1) % 2,
-                                             number_of_threads=PAIR)
-            elif warp == s % 2:
-                cute.arch.barrier(barrier_id=EMPTY + s % 2, number_of_threads=PAIR)
-                buf[lane] = lane + s
-                cute.arch.barrier_arrive(barrier_id=FULL + s % 2, number_of_threads=PAIR)
+            total = turn(s, s + 1 < steps, warp, lane, buf, total)
     else:
-        if warp == 2:
-            cute.arch.barrier_arrive(barrier_id=EMPTY, number_of_threads=PAIR)
         for s in cutlass.range_constexpr(STEPS):
-            if warp == 2:
-                cute.arch.barrier(barrier_id=FULL + s % 2, number_of_threads=PAIR)
-                total += buf[lane]
-                if cutlass.const_expr(s + 1 < STEPS):
-                    cute.arch.barrier_arrive(barrier_id=EMPTY + (s + 1) % 2,
-                                             number_of_threads=PAIR)
-            elif warp == s % 2:
-                cute.arch.barrier(barrier_id=EMPTY + s % 2, number_of_threads=PAIR)
-                buf[lane] = lane + s
-                cute.arch.barrier_arrive(barrier_id=FULL + s % 2, number_of_threads=PAIR)
+            total = turn(s, s + 1 < STEPS, warp, lane, buf, total)
     if warp == 2:
         out[lane] = total
+
+
+@cute.jit
+def turn(s, more, warp, lane, buf: cute.Tensor, total: Int32):
+    """Step ``s`` of the hand-off: warp s % 2 writes once the reader has freed the buffer;
+    warp 2 reads it and frees it for the next step (``more``)."""
+    if warp == 2:
+        cute.arch.barrier(barrier_id=FULL + s % 2, number_of_threads=PAIR)
+        total += buf[lane]
+        if more:
+            cute.arch.barrier_arrive(barrier_id=EMPTY + (s + 1) % 2, number_of_threads=PAIR)
+    elif warp == s % 2:
+        cute.arch.barrier(barrier_id=EMPTY + s % 2, number_of_threads=PAIR)
+        buf[lane] = lane + s
+        cute.arch.barrier_arrive(barrier_id=FULL + s % 2, number_of_threads=PAIR)
+    return total
 
 
 EMPTY, FULL, STEPS = 1, 3, 4  # barrier ids EMPTY + parity, FULL + parity
