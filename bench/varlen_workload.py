@@ -1,5 +1,6 @@
 """Varlen workload (issue 5): 16k tokens packed from seeded log-normal (document-like) lengths,
-d = 128, 16 heads, causal, bf16. Same run, same packed tensors:
+d = 128, 16 heads, causal, bf16 (``--d 64``: 32 heads, model width 2048). Same run, same
+packed tensors:
 
     flash_cute  flash_attn_varlen_func
     fa4         flash_attn.cute.flash_attn_varlen_func
@@ -9,7 +10,7 @@ d = 128, 16 heads, causal, bf16. Same run, same packed tensors:
 TFLOP/s count only the useful work, sum over sequences of 4 * L^2 * h * d / 2 (x 2.5 for the
 backward), for every implementation. Forward, then forward + backward (one training step).
 
-    python bench/varlen_workload.py [--tokens 16384] [--seed 0] [--kernels]
+    python bench/varlen_workload.py [--tokens 16384] [--seed 0] [--d 128] [--kernels]
 
 --kernels: also one profiled training step per implementation (after the timings), its GPU
 time per kernel (torch.profiler), to split the step into forward, bwd_pre, main, bwd_post and
@@ -22,7 +23,7 @@ import torch
 from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from flash_cute import flash_attn_varlen_func
 
-H, D = 16, 128
+WIDTH = 2048  # nheads * d, as in the benchmark grid
 LOG_MEAN, LOG_STD, MAX_LEN = 6.5, 1.0, 8192   # median ~665 tokens, a long tail
 
 
@@ -40,8 +41,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d", type=int, default=128, choices=(64, 96, 128, 192, 256))
     p.add_argument("--kernels", action="store_true")
     args = p.parse_args()
+    H, D = WIDTH // args.d, args.d
     lens = lengths(args.tokens, args.seed)
     total, b, longest = sum(lens), len(lens), max(lens)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
@@ -49,7 +52,7 @@ def main():
                      for _ in range(4))
     flops = sum(4 * n * n * H * D / 2 for n in lens)
     print(f"{b} sequences, {total} tokens, longest {longest}, median "
-          f"{sorted(lens)[b // 2]}; useful fwd GFLOP {flops / 1e9:.1f}")
+          f"{sorted(lens)[b // 2]}; d={D}, {H} heads; useful fwd GFLOP {flops / 1e9:.1f}")
 
     def step(fwd):
         def run():

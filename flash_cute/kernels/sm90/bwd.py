@@ -112,9 +112,10 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
 
 tile_m = 128 (d=64; the batched default with ``dq_split="alt"``: the warpgroup with the turn
 computes the whole 128 x 64 dQ tile, two wgmma along M; ``"m"``: each mma warpgroup owns 64
-query rows of it); ~198 KB of shared memory; dS^T from the 16-bit P^T (``ds_from_p16``); P^T / dS^T converted in explicit pairs (``to_16bit``); ``remat_tid``
-rebuilds thread-index-derived addresses per query block from an opaque %tid.x instead of
-holding them across the loop (they spilled). tile_m = 80 (opt-in, d=128 non-causal,
+query rows of it); ~198 KB of shared memory; dS^T from the 16-bit P^T (``ds_from_p16``);
+P^T / dS^T converted in explicit pairs (``to_16bit``); ``remat_tid`` rebuilds
+thread-index-derived addresses per query block from an opaque %tid.x instead of holding them
+across the loop (they spilled). tile_m = 80 (opt-in, d=128 non-causal,
 ``dq_split="t"``): dQ^T = K^T dS^T, stored transposed into sdQ's rows (unpadded, 226 KB).
 
 Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed

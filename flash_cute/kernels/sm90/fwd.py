@@ -64,7 +64,8 @@ Named barriers: EPILOGUE (128n + 32) makes sO visible before warp 4 issues the T
 (varlen: 128n, before the consumers read sO back); V_TAIL (128n, varlen) orders the zeroing of
 the last V block before any warpgroup's P V reads it;
 TURN_WG1/TURN_WG2 (256, n = 2 only, off by default) order the two warpgroups' GEMM issue
-(ping-pong: one warpgroup's softmax runs under the other's GEMMs).
+(ping-pong: one warpgroup's softmax runs under the other's GEMMs; persistent too, the turns
+carrying over from tile to tile, see first_turn).
 
 Per key block (intra-warpgroup overlap): issue S_next = Q K_next^T, then O += P_prev V_prev; wait
 for S_next; mask and softmax it while P V runs; rescale O. Masks only on the first block visited
