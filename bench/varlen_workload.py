@@ -11,12 +11,17 @@ TFLOP/s count only the useful work, sum over sequences of 4 * L^2 * h * d / 2 (x
 backward), for every implementation. Forward, then forward + backward (one training step).
 
     python bench/varlen_workload.py [--tokens 16384] [--seed 0] [--d 128] [--kernels]
+    python bench/varlen_workload.py --bwd-configs "" early_lse_d=1   # ours only, interleaved
 
 --kernels: also one profiled training step per implementation (after the timings), its GPU
 time per kernel (torch.profiler), to split the step into forward, bwd_pre, main, bwd_post and
 the host-side glue (where the varlen backward's gap to FA4 lies).
+--bwd-configs: our training step under each FLASH_CUTE_BWD_CONFIG value ("" = the shipped
+config), timed in interleaved rounds (median per value), instead of the peer comparison.
 """
 import argparse
+import os
+import statistics
 
 import torch
 
@@ -43,6 +48,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--d", type=int, default=128, choices=(64, 96, 128, 192, 256))
     p.add_argument("--kernels", action="store_true")
+    p.add_argument("--bwd-configs", nargs="+", metavar="SPEC")
     args = p.parse_args()
     H, D = WIDTH // args.d, args.d
     lens = lengths(args.tokens, args.seed)
@@ -84,6 +90,8 @@ def main():
         return torch.cat([o[i, :n] for i, n in enumerate(lens)])
     impls["sdpa_pad"] = sdpa_pad
 
+    if args.bwd_configs:
+        return compare_configs(args.bwd_configs, step(impls["flash_cute"]), flops)
     for name, fn in impls.items():
         try:
             t_f = timeit(lambda: fn(q, k, v), reps=10)
@@ -95,6 +103,21 @@ def main():
     if args.kernels:
         for name, fn in impls.items():
             kernel_times(name, step(fn))
+
+
+def compare_configs(specs, run, flops, rounds=5):
+    """Median training-step time of ours under each FLASH_CUTE_BWD_CONFIG spec, interleaved."""
+    from flash_cute.backward import CONFIG_ENV
+    times = {spec: [] for spec in specs}
+    for _ in range(rounds):
+        for spec in specs:
+            os.environ[CONFIG_ENV] = spec
+            times[spec].append(timeit(run, reps=5))
+    os.environ.pop(CONFIG_ENV)
+    for spec, ts in times.items():
+        t = statistics.median(ts)
+        print(f"{spec or 'shipped':>24}: fwd+bwd {3.5 * flops / t / 1e9:6.0f} TFLOP/s "
+              f"({t:.3f} ms)", flush=True)
 
 
 def kernel_times(name, run, steps=5, top=8):

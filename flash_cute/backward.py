@@ -259,6 +259,11 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
         # "alt" spills there (a 64-bit value reloaded per query block, 8-12 bytes): the varlen
         # GQA kernel keeps the lockstep one (same tile and padding, so the host is unchanged).
         cfg_overrides = {**BWD_LOCKSTEP_128, **cfg_overrides}
+    if varlen:
+        # Early LSE / D spilled in session 4's varlen kernel; with today's staggered d=128
+        # kernel ptxas is clean except non-causal deterministic (8 bytes). Not yet GPU-checked
+        # there: off unless asked for (FLASH_CUTE_BWD_CONFIG=early_lse_d=1).
+        cfg_overrides.setdefault("early_lse_d", False)
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
     dkv_dt = cutlass.Float32 if gqa else dt

@@ -101,6 +101,18 @@ def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, per
     check_main_sass(sass_opcodes(cubin, tmp_path))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bwd_varlen_early_lse_d_compiles(causal, tmp_path, monkeypatch):
+    """Early LSE / D reads in the varlen d=128 kernel: off by default (backward._compile_main),
+    on when asked for, and then spill-free (not yet GPU-checked; docs/performance.md)."""
+    monkeypatch.chdir(tmp_path)
+    on = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", 128, causal, varlen=True,
+                                         early_lse_d=True), tmp_path)
+    check_main_sass(on)
+    default = sass_opcodes(main_cubin("BFloat16", 128, causal, False, False, True), tmp_path)
+    assert on != default, "early_lse_d=True compiled the default varlen kernel"
+
+
 @pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", VARIANTS, ids=lambda v: str(v))
 def test_bwd_main_varlen_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monkeypatch):
     """Varlen: the same main loop (as many HGMMA as batched, still not serialized), plus the

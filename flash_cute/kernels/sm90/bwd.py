@@ -211,10 +211,11 @@ class FlashBwdSm90:
         # query block from an opaque thread index instead of held live across the loop (they
         # spilled; see the module docstring).
         self.remat_tid = self.tile_m > KEYS_PER_WG
-        # cfg.uniform_dq_desc / early_lse_d (docs/sass_bwd_vs_fa4.md): batched only; at d=128
-        # the varlen kernel spilled 8-20 bytes with either (a reload per query block).
+        # cfg.uniform_dq_desc (docs/sass_bwd_vs_fa4.md): batched only; the varlen kernel
+        # spilled 8-20 bytes with it at d=128 (a reload per query block). early_lse_d: varlen
+        # off unless asked for (backward._compile_main).
         self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
-        self.early_lse_d = cfg.early_lse_d and not varlen
+        self.early_lse_d = cfg.early_lse_d
 
     @property
     def staged_dkv(self) -> bool:
