@@ -262,7 +262,8 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
     if varlen:
         # Early LSE / D spilled in session 4's varlen kernel; with today's staggered d=128
         # kernel ptxas is clean except non-causal deterministic (8 bytes). Not yet GPU-checked
-        # there: off unless asked for (FLASH_CUTE_BWD_CONFIG=early_lse_d=1).
+        # there: off unless asked for (FLASH_CUTE_BWD_CONFIG=early_lse_d=1; asked for, the GQA
+        # d=128 kernel also leaves the lockstep split above and spills).
         cfg_overrides.setdefault("early_lse_d", False)
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
