@@ -179,7 +179,7 @@ AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself 
 
 class FlashBwdSm90:
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
-    uniform_dq_desc = early_lse_d = False  # see __init__
+    uniform_dq_desc = False  # see __init__
 
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
                  deterministic: bool = False, varlen: bool = False):
@@ -212,10 +212,9 @@ class FlashBwdSm90:
         # spilled; see the module docstring).
         self.remat_tid = self.tile_m > KEYS_PER_WG
         # cfg.uniform_dq_desc (docs/sass_bwd_vs_fa4.md): batched only; the varlen kernel
-        # spilled 8-20 bytes with it at d=128 (a reload per query block). early_lse_d: varlen
-        # off unless asked for (backward._compile_main).
+        # spilled 8-20 bytes with it at d=128 (a reload per query block). cfg.early_lse_d is
+        # read as is (varlen: off unless asked for, backward._compile_main).
         self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
-        self.early_lse_d = cfg.early_lse_d
 
     @property
     def staged_dkv(self) -> bool:
@@ -727,7 +726,7 @@ class FlashBwdSm90:
         pipe_q.consumer_wait(st_q)
         gemm(mma_sdp, tSrS, tSrK, tSrQ[None, None, None, s], zero_init=True, wait_group=-1)
         lse = None
-        if const_expr(self.early_lse_d):  # LSE rides with Q: its stage is in
+        if const_expr(self.cfg.early_lse_d):  # LSE rides with Q: its stage is in
             lse = bwd_cols.load_cols(sLSE, tScS, t0ScS, s)
         pipe_do.consumer_wait(st_do)
         gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s_do], zero_init=True,
@@ -786,7 +785,7 @@ class FlashBwdSm90:
             tdVrP.store(acc_as_operand_a(rP).load())
             s_mn = acc_as_mn(rP)
         dsum = None
-        if const_expr(self.early_lse_d):  # D's LDS latency under the dV issue and wait
+        if const_expr(self.cfg.early_lse_d):  # D's LDS latency under the dV issue and wait
             dsum = bwd_cols.load_cols(sD, tScS, t0ScS, s)
         gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
