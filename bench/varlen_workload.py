@@ -10,7 +10,7 @@ packed tensors:
 TFLOP/s count only the useful work, sum over sequences of 4 * L^2 * h * d / 2 (x 2.5 for the
 backward), for every implementation. Forward, then forward + backward (one training step).
 
-    python bench/varlen_workload.py [--tokens 16384] [--seed 0] [--d 128] [--kernels]
+    python bench/varlen_workload.py [--tokens 16384] [--seed 0] [--d 128] [--rounds 5] [--kernels]
     python bench/varlen_workload.py --bwd-configs "" early_lse_d=1   # ours only, interleaved
 
 --kernels: also one profiled training step per implementation (after the timings), its GPU
@@ -49,6 +49,7 @@ def main():
     p.add_argument("--d", type=int, default=128, choices=(64, 96, 128, 192, 256))
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--bwd-configs", nargs="+", metavar="SPEC")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     args = p.parse_args()
     H, D = WIDTH // args.d, args.d
     lens = lengths(args.tokens, args.seed)
@@ -92,14 +93,26 @@ def main():
 
     if args.bwd_configs:
         return compare_configs(args.bwd_configs, step(impls["flash_cute"]), flops)
-    for name, fn in impls.items():
-        try:
-            t_f = timeit(lambda: fn(q, k, v), reps=10)
-            t_fb = timeit(step(fn), reps=5)
-            print(f"{name:>10}: fwd {flops / t_f / 1e9:6.0f} TFLOP/s ({t_f:.3f} ms)   "
-                  f"fwd+bwd {3.5 * flops / t_fb / 1e9:6.0f} TFLOP/s ({t_fb:.3f} ms)", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"{name:>10}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    # Interleaved rounds, median per implementation: each timed call syncs, so the host's cost
+    # is in it, and the host's speed drifts over a run; interleaving shares the drift out.
+    times = {name: ([], []) for name in impls}
+    for r in range(args.rounds):
+        for name, fn in impls.items():
+            if times[name] is None:
+                continue
+            try:
+                times[name][0].append(timeit(lambda: fn(q, k, v), reps=10))
+                times[name][1].append(timeit(step(fn), reps=5))
+            except Exception as e:  # noqa: BLE001
+                print(f"{name:>10}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                times[name] = None
+    for name, ts in times.items():
+        if ts is None:
+            continue
+        t_f, t_fb = (statistics.median(t) for t in ts)
+        print(f"{name:>10}: fwd {flops / t_f / 1e9:6.0f} TFLOP/s ({t_f:.3f} ms)   "
+              f"fwd+bwd {3.5 * flops / t_fb / 1e9:6.0f} TFLOP/s ({t_fb:.3f} ms)   "
+              f"(median of {len(ts[1])} interleaved rounds)", flush=True)
     if args.kernels:
         for name, fn in impls.items():
             kernel_times(name, step(fn))

@@ -5,7 +5,9 @@ Batched calls go through two ``torch.library`` custom ops, ``flash_cute::fwd`` a
 opaque node shaped by its fake impl instead of tracing into the kernel launch (which it cannot
 trace), so attention causes no graph break. The ops take only what the batched kernel runs:
 validation and the unsupported-option checks have already run in Python (interface.py), which
-guarantees the defaults for every other option.
+guarantees the defaults for every other option. Plain eager calls take ``FlashAttnFunc``, the
+same two functions in a plain autograd.Function, to skip the dispatcher's host cost
+(``use_custom_ops`` says which).
 
 Varlen calls use a plain autograd.Function that passes every option through (cu_seqlens,
 seqused and max_seqlen have no place in the batched ops' schema).
@@ -16,7 +18,10 @@ fp32 recompute in plain PyTorch (batched: the fused kernel's formulas written ou
 reference differentiated). The recompute matches the fp32 oracle's gradients up to fp32
 rounding, but is unfused: it materialises the (sq, sk) score matrix, O(s^2) memory and slow.
 """
+import functools
+
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from flash_cute import backward, dispatch
 from flash_cute.reference import attention_ref
@@ -93,8 +98,13 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
            " float softmax_scale, bool causal, bool deterministic=False)"
            " -> (Tensor dq, Tensor dk, Tensor dv)")
 def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
-    # Fused kernels on sm_90 for the head dims they cover; otherwise (or FLASH_CUTE_FUSED_BWD=0)
-    # the fp32 recompute, which takes any dout layout (it copies to fp32).
+    return _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+
+
+def _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+    """(dq, dk, dv): the fused kernels on sm_90 for the head dims they cover; otherwise (or
+    FLASH_CUTE_FUSED_BWD=0) the fp32 recompute, which takes any dout layout (it copies to
+    fp32). The body of flash_cute::bwd and of FlashAttnFunc.backward."""
     if _fused_bwd_applies(q):
         return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                             causal=causal, deterministic=deterministic)
@@ -129,9 +139,48 @@ _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 def _fused_bwd_applies(q, **options) -> bool:
     """The fused SM90 backward runs this call: enabled, an sm_90 tensor, supported options."""
-    return (backward.fused_bwd_enabled() and q.is_cuda
-            and torch.cuda.get_device_capability(q.device) == (9, 0)
+    return (backward.fused_bwd_enabled() and q.is_cuda and _is_sm90(q.device)
             and backward.unsupported_bwd_option(head_dim=q.shape[-1], **options) is None)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def use_custom_ops() -> bool:
+    """True where batched calls must go through the flash_cute:: custom ops: under
+    torch.compile (which records them as opaque nodes) and under a TorchDispatchMode (fake or
+    meta tensors, flop counters: the ops' fake impl and schema serve them). Plain eager calls
+    take FlashAttnFunc instead, the same forward and backward without the dispatcher's round
+    trips (custom-op dispatch, default filling, alias checks and the autograd wrapper cost
+    ~100-200 us of host time per call on the H200 machine, bench/host_cost.py; an eager
+    training step pays that on its critical path whenever the kernels are short)."""
+    return torch.compiler.is_compiling() or _current_dispatch_mode() is not None
+
+
+class FlashAttnFunc(torch.autograd.Function):
+    """(q, k, v, softmax_scale, causal, deterministic) -> (out, lse): the eager twin of
+    flash_cute::fwd with its registered autograd (same functions, same saved tensors)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
+        out, lse = dispatch.fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero dlse launched for the unused lse
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # only lse reached the loss: it is non-differentiable
+            return (None,) * 6
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _batched_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
+                             ctx.deterministic)
+        return (*(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])),
+                None, None, None)
 
 
 def varlen_bwd(dout, q, k, v, out, lse, needs, opts, deterministic=False):
@@ -166,10 +215,13 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts, ctx.deterministic = opts, deterministic
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero dlse launched for the unused lse
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # only lse reached the loss: it is non-differentiable
+            return (None,) * 5
         q, k, v, out, lse = ctx.saved_tensors
         grads = varlen_bwd(dout, q, k, v, out, lse, ctx.needs_input_grad[:3], ctx.opts,
                            ctx.deterministic)

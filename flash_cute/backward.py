@@ -331,7 +331,11 @@ def _get(key, build):
 def env_overrides() -> dict:
     """BwdSm90Config fields from FLASH_CUTE_BWD_CONFIG ("pdl=1,dq_first=0"), typed like the
     field's default; ValueError naming the variable for an unknown field or a bad value."""
-    spec = os.environ.get(CONFIG_ENV, "").strip()
+    return dict(_parse_env_config(os.environ.get(CONFIG_ENV, "").strip()))
+
+
+@functools.lru_cache(maxsize=16)  # read on every call: parsed once per value
+def _parse_env_config(spec: str) -> tuple:
     fields = {f.name: f.default for f in dataclasses.fields(BwdSm90Config)}
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
@@ -350,7 +354,7 @@ def env_overrides() -> dict:
             except ValueError:
                 raise ValueError(f"{CONFIG_ENV}={spec!r}: {name} takes a {kind.__name__}, "
                                  f"not {value!r}") from None
-    return out
+    return tuple(out.items())
 
 
 # The batched d=64 backward takes the 128-row query tile (FA3/FA4's), its 128 x 64 dQ tile
@@ -375,11 +379,15 @@ def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:
     (BwdSm90Config fields, experiments: e.g. {"tile_m": 128, "dq_split": "m"}). ValueError
     for an invalid one (``causal`` given: also one the causal / non-causal kernel does not
     take, BwdSm90Config.check_causal)."""
-    cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **env_overrides())
-    cfg = dataclasses.replace(cfg, **cfg_overrides) if cfg_overrides else cfg
+    cfg = _config(d, tuple({**env_overrides(), **(cfg_overrides or {})}.items()))
     if causal is not None:
         cfg.check_causal(bool(causal))
     return cfg
+
+
+@functools.lru_cache(maxsize=64)  # resolved on every call (host time): built once per key
+def _config(d: int, overrides: tuple) -> BwdSm90Config:
+    return dataclasses.replace(BwdSm90Config.for_head_dim(d), **dict(overrides))
 
 
 def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
@@ -390,7 +398,7 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     chained to it). Varlen: (pre, main, post for dq, batched post for the GQA dK/dV sums).
     ``cfg_overrides``: see bwd_config."""
     overrides = {**env_overrides(), **(cfg_overrides or {})}  # bwd_config's, parsed once
-    cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **overrides)
+    cfg = _config(d, tuple(overrides.items()))
     tm, pdl = cfg.tile_m, cfg.pdl
     extra = tuple(sorted(overrides.items()))
     pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl),
@@ -472,6 +480,14 @@ def _require_runnable(d: int, device=None):
                                       f"sm_{major}{minor}")
 
 
+def _semaphores(shape, deterministic: bool, device) -> torch.Tensor:
+    """The dQ-order counters, one per query block, zeroed (deterministic); otherwise a stub
+    of the same rank that the kernel never reads or writes (no fill launched for it)."""
+    if deterministic:
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+    return torch.empty((1,) * len(shape), dtype=torch.int32, device=device)
+
+
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float, causal: bool,
         deterministic: bool = False, persistent: bool | None = None, cfg_overrides=None):
@@ -508,9 +524,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse_log2 = torch.empty((b, h, sq_pad), **f32)
     dpsum = torch.empty((b, h, sq_pad), **f32)
     dq_accum = torch.empty((b, h, sq_pad, cfg.dq_row), **f32)[..., :d]
-    # One counter per query block (deterministic dQ order); a stub otherwise.
-    sem = torch.zeros((b, h, sq_pad // cfg.tile_m) if deterministic else (1, 1, 1),
-                      dtype=torch.int32, device=q.device)
+    sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic, q.device)
     if gqa:
         dk_out = torch.empty((b, sk, h, d), **f32)
         dv_out = torch.empty((b, sk, h, d), **f32)
@@ -571,8 +585,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     lse_log2 = torch.empty((h, rows), **f32)
     dpsum = torch.empty((h, rows), **f32)
     dq_accum = torch.empty((h, rows, cfg.dq_row), **f32)[..., :d]
-    sem = torch.zeros((h, rows // cfg.tile_m) if deterministic else (1, 1),
-                      dtype=torch.int32, device=q.device)
+    sem = _semaphores((h, rows // cfg.tile_m), deterministic, q.device)
     if gqa:
         alloc = torch.zeros if seqused_k is not None else torch.empty
         dk_out, dv_out = (alloc((total_k, h, d), **f32) for _ in range(2))

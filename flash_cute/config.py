@@ -1,4 +1,5 @@
 """Static kernel configurations: everything here changes the generated code."""
+import functools
 from dataclasses import dataclass
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -44,6 +45,7 @@ class FwdSm90Config:
         return 64 * self.num_consumer_wg
 
     @staticmethod
+    @functools.lru_cache(maxsize=None)  # frozen, asked for on every call
     def for_head_dim(d: int) -> "FwdSm90Config":
         # Shared memory is Q (tile_m*d) + stages * 2 * (tile_n*d) 2-byte elements, <= 227 KB;
         # larger d forces a narrower key block.
@@ -240,6 +242,7 @@ class BwdSm90Config:
         return 2 * self.dq_chunk if self.dq_per_turn else self.head_dim
 
     @staticmethod
+    @functools.lru_cache(maxsize=None)  # frozen, asked for on every call
     def for_head_dim(d: int) -> "BwdSm90Config":
         if d not in BWD_SUPPORTED_HEAD_DIMS:
             raise NotImplementedError(

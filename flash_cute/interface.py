@@ -1,5 +1,6 @@
 """Public, FlashAttention-2-compatible entry points. Thin: validate, refuse what the kernels
-cannot run yet, then hand over to the ``flash_cute::fwd`` custom op (autograd.py).
+cannot run yet, then hand over to the ``flash_cute::fwd`` custom op, or its eager twin
+(autograd.py).
 
 Differences from FA2: dropout is not supported (dropout_p must be 0.0), so with
 return_attn_probs=True the third value (S_dmask) is always None. ``deterministic=True`` makes
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from flash_cute import dispatch, validation
-from flash_cute.autograd import FlashAttnVarlenFunc
+from flash_cute.autograd import FlashAttnFunc, FlashAttnVarlenFunc, use_custom_ops
 
 # Tests set this to False (with a stand-in for dispatch.fwd) to run the whole path on CPU.
 _REQUIRE_CUDA = True
@@ -30,10 +31,13 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
         raise NotImplementedError(f"flash_cute: unsupported option {why}")
     if varlen:
         out, lse = FlashAttnVarlenFunc.apply(q, k, v, opts, deterministic)
-    else:
+    elif use_custom_ops():
         # The check above leaves every other option at its default, so the op needs only these.
         out, lse = torch.ops.flash_cute.fwd(q, k, v, opts["softmax_scale"], opts["causal"],
                                             deterministic)
+    else:  # eager: the same functions without the custom op's dispatch cost
+        out, lse = FlashAttnFunc.apply(q, k, v, opts["softmax_scale"], opts["causal"],
+                                       deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 

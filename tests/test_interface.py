@@ -248,3 +248,24 @@ def test_fused_backward_flag_falls_back_off_gpu(standin, monkeypatch):
     assert not called
     for got, want in zip((q.grad, k.grad, v.grad), ref_grads(q, k, v, dout)):
         torch.testing.assert_close(got, want.to(BF16), **ONE_BF16_STEP)
+
+
+def test_eager_twin_matches_custom_op(standin):
+    # Eager calls take autograd.FlashAttnFunc (no dispatcher round trips); torch.compile and
+    # dispatch modes take the custom op. Same functions inside: identical outputs and grads.
+    from flash_cute import autograd
+    from torch.utils.flop_counter import FlopCounterMode
+
+    assert not autograd.use_custom_ops()
+    with FlopCounterMode(display=False):
+        assert autograd.use_custom_ops()
+    q, k, v = rand(2, 7, 4, 64), rand(2, 9, 2, 64, seed=1), rand(2, 9, 2, 64, seed=2)
+    dout = rand(2, 7, 4, 64, seed=3, grad=False)
+    results = []
+    for call in (lambda: flash_cute.flash_attn_func(q, k, v, causal=True, softmax_scale=0.3),
+                 lambda: torch.ops.flash_cute.fwd(q, k, v, 0.3, True)[0]):
+        out = call()
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    assert out.grad_fn.name() != results[0][0].grad_fn.name()  # two different paths ran
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
