@@ -1,22 +1,20 @@
-"""Autograd wiring around the forward kernels.
+"""Autograd wiring around the kernels.
 
-Batched calls go through two ``torch.library`` custom ops, ``flash_cute::fwd`` and
-``flash_cute::bwd``, with a registered autograd formula. torch.compile records each op as one
-opaque node shaped by its fake impl instead of tracing into the kernel launch (which it cannot
-trace), so attention causes no graph break. The ops take only what the batched kernel runs:
-validation and the unsupported-option checks have already run in Python (interface.py), which
-guarantees the defaults for every other option. Plain eager calls take ``FlashAttnFunc``, the
-same two functions in a plain autograd.Function, to skip the dispatcher's host cost
-(``use_custom_ops`` says which).
-
-Varlen calls use a plain autograd.Function that passes every option through (cu_seqlens,
-seqused and max_seqlen have no place in the batched ops' schema).
+Four ``torch.library`` custom ops, ``flash_cute::fwd`` / ``bwd`` (batched) and
+``flash_cute::varlen_fwd`` / ``varlen_bwd`` (packed sequences: cu_seqlens, seqused and
+max_seqlen in their schema), each forward with a registered autograd formula. torch.compile
+records each op as one opaque node shaped by its fake impl instead of tracing into the kernel
+launch (which it cannot trace), so attention causes no graph break. The ops take only what the
+kernels run: validation and the unsupported-option checks have already run in Python
+(interface.py), which guarantees the defaults for every other option. Plain eager calls take
+``FlashAttnFunc`` / ``FlashAttnVarlenFunc``, the same functions in plain autograd.Functions, to
+skip the dispatcher's host cost (``use_custom_ops`` says which).
 
 Backward: the fused SM90 kernels (flash_cute.backward: ``bwd`` batched, ``varlen_bwd`` varlen)
 on an sm_90 GPU for the head dims they cover; otherwise, or with FLASH_CUTE_FUSED_BWD=0, an
-fp32 recompute in plain PyTorch (batched: the fused kernel's formulas written out; varlen: the
-reference differentiated). The recompute matches the fp32 oracle's gradients up to fp32
-rounding, but is unfused: it materialises the (sq, sk) score matrix, O(s^2) memory and slow.
+fp32 recompute in plain PyTorch (the fused kernel's formulas written out; varlen: per
+sequence). The recompute matches the fp32 oracle's gradients up to fp32 rounding, but is
+unfused: it materialises the (sq, sk) score matrix, O(s^2) memory and slow.
 """
 import functools
 
@@ -24,7 +22,6 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from flash_cute import backward, dispatch
-from flash_cute.reference import attention_ref
 
 
 def _interim_bwd(dout, q, k, v, softmax_scale, causal):
@@ -58,20 +55,23 @@ def _interim_bwd(dout, q, k, v, softmax_scale, causal):
     return tuple(g.contiguous().to(t.dtype) for g, t in zip((dq, dk, dv), (q, k, v)))
 
 
-def _interim_grads(dout, q, k, v, needs, **ref_opts):
-    """[dq, dk, dv], None where ``needs`` is False: gradients of the fp32 reference, each in its
-    input's dtype and contiguous. Used outside custom ops only (varlen), where autograd runs."""
-    with torch.enable_grad():
-        leaves = [t.detach().float().requires_grad_(n) for t, n in zip((q, k, v), needs)]
-        ref, _ = attention_ref(*leaves, upcast=True, **ref_opts)
-        wanted = [t for t, n in zip(leaves, needs) if n]
-        if not ref.requires_grad:  # no query or no key at all: nothing depends on the inputs
-            computed = iter(torch.zeros_like(t) for t in wanted)
-        else:
-            computed = iter(torch.autograd.grad(ref, wanted, dout.float(),
-                                                materialize_grads=True))
-    return [next(computed).contiguous().to(t.dtype) if n else None
-            for t, n in zip((q, k, v), needs)]
+def _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                        softmax_scale, causal):
+    """(dq, dk, dv) of varlen attention: _interim_bwd on each sequence's used rows and keys
+    (causal stays bottom-right aligned on the used lengths, as in the reference); rows and
+    keys past seqused get 0. Reads cu_seqlens on the host: a fallback, not a fast path."""
+    dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        nq = cu_q[i + 1] - cu_q[i] if seqused_q is None else int(seqused_q[i])
+        nk = cu_k[i + 1] - cu_k[i] if seqused_k is None else int(seqused_k[i])
+        if nq == 0 or nk == 0:  # nothing attends: the gradients stay 0
+            continue
+        rows, keys = slice(cu_q[i], cu_q[i] + nq), slice(cu_k[i], cu_k[i] + nk)
+        grads = _interim_bwd(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
+                             softmax_scale, causal)
+        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
+    return dq, dk, dv
 
 
 # Explicit schemas: the ops' contract, spelled out rather than inferred from type hints.
@@ -137,10 +137,11 @@ def _fwd_backward(ctx, dout, _dlse):
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-def _fused_bwd_applies(q, **options) -> bool:
-    """The fused SM90 backward runs this call: enabled, an sm_90 tensor, supported options."""
+def _fused_bwd_applies(q) -> bool:
+    """The fused SM90 backward runs this call: enabled, an sm_90 tensor, a head dim it has
+    (the other options are at their defaults: validation refused the rest)."""
     return (backward.fused_bwd_enabled() and q.is_cuda and _is_sm90(q.device)
-            and backward.unsupported_bwd_option(head_dim=q.shape[-1], **options) is None)
+            and backward.unsupported_bwd_option(head_dim=q.shape[-1]) is None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,31 +184,81 @@ class FlashAttnFunc(torch.autograd.Function):
                 None, None, None)
 
 
-def varlen_bwd(dout, q, k, v, out, lse, needs, opts, deterministic=False):
-    """[dq, dk, dv] of varlen attention (None where ``needs`` is False). opts: dispatch.fwd's
-    keyword arguments (cu_seqlens, seqused, max_seqlen, scale, causal, ...).
+# The varlen ops' arguments after q, k, v, in schema order (all from validate_fwd's options;
+# validation leaves window_size, softcap, alibi_slopes and dropout_p at their defaults).
+VARLEN_OP_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q",
+                  "max_seqlen_k", "softmax_scale", "causal")
+_VARLEN_SCHEMA = ("Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k,"
+                  " SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal,"
+                  " bool deterministic=False")
 
-    The fused kernels (backward.varlen_bwd) where they apply; otherwise the gradients of the
-    fp32 reference (which recomputes out and lse; slow, O(s^2) memory)."""
-    options = {name: opts[name] for name in ("window_size", "softcap", "alibi_slopes",
-                                             "dropout_p")}
-    if _fused_bwd_applies(q, **options):
-        grads = backward.varlen_bwd(
-            dout, q, k, v, out, lse, cu_seqlens_q=opts["cu_seqlens_q"],
-            cu_seqlens_k=opts["cu_seqlens_k"], max_seqlen_q=opts["max_seqlen_q"],
-            max_seqlen_k=opts["max_seqlen_k"], softmax_scale=opts["softmax_scale"],
-            causal=opts["causal"], seqused_q=opts["seqused_q"], seqused_k=opts["seqused_k"],
+
+@torch.library.custom_op("flash_cute::varlen_fwd", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, Tensor v, {_VARLEN_SCHEMA})"
+                                " -> (Tensor out, Tensor lse)")
+def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal, deterministic=False):
+    return dispatch.fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+                        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
+
+
+@_varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, *args, **kwargs):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("flash_cute::varlen_bwd", mutates_args=(),
+                         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,"
+                                f" Tensor lse, {_VARLEN_SCHEMA})"
+                                " -> (Tensor dq, Tensor dk, Tensor dv)")
+def _varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False):
+    return varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                      seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                      deterministic)
+
+
+@_varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, *args, **kwargs):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, used_q, used_k, *rest = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, used_q, used_k)
+    ctx.scalars = tuple(rest[:4]) + ((bool(rest[4]),) if len(rest) > 4 else (False,))
+    ctx.mark_non_differentiable(output[1])
+
+
+def _varlen_op_backward(ctx, dout, _dlse):
+    grads = torch.ops.flash_cute.varlen_bwd(dout, *ctx.saved_tensors, *ctx.scalars)
+    wanted = (g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3]))
+    return (*wanted, *(None,) * (len(ctx.needs_input_grad) - 3))
+
+
+_varlen_fwd.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
+
+
+def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+               max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False):
+    """(dq, dk, dv) of varlen attention: the fused kernels (backward.varlen_bwd) where they
+    apply; otherwise the fp32 recompute per sequence (slow, O(s^2) memory). The body of
+    flash_cute::varlen_bwd and of FlashAttnVarlenFunc.backward."""
+    if _fused_bwd_applies(q):
+        return backward.varlen_bwd(
+            dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+            causal=causal, seqused_q=seqused_q, seqused_k=seqused_k,
             deterministic=deterministic)
-        return [g if n else None for g, n in zip(grads, needs)]
-    # The reference takes no max_seqlen (it reads cu_seqlens) and dropout_p is always 0.
-    ref_opts = {name: val for name, val in opts.items()
-                if name not in ("dropout_p", "max_seqlen_q", "max_seqlen_k")}
-    return _interim_grads(dout, q, k, v, needs, **ref_opts)
+    return _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                               softmax_scale, causal)
 
 
 class FlashAttnVarlenFunc(torch.autograd.Function):
     """(q, k, v, opts, deterministic) -> (out, lse), opts being dispatch.fwd's keyword
-    arguments; deterministic reaches only the backward. lse is non-differentiable."""
+    arguments: the eager twin of flash_cute::varlen_fwd. lse is non-differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, opts, deterministic=False):
@@ -223,6 +274,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         if dout is None:  # only lse reached the loss: it is non-differentiable
             return (None,) * 5
         q, k, v, out, lse = ctx.saved_tensors
-        grads = varlen_bwd(dout, q, k, v, out, lse, ctx.needs_input_grad[:3], ctx.opts,
+        grads = varlen_bwd(dout, q, k, v, out, lse, *(ctx.opts[n] for n in VARLEN_OP_ARGS),
                            ctx.deterministic)
-        return (*grads, None, None)
+        return (*(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])),
+                None, None)

@@ -1,6 +1,6 @@
 """Public, FlashAttention-2-compatible entry points. Thin: validate, refuse what the kernels
-cannot run yet, then hand over to the ``flash_cute::fwd`` custom op, or its eager twin
-(autograd.py).
+cannot run yet, then hand over to the ``flash_cute::fwd`` / ``varlen_fwd`` custom ops, or
+their eager twins (autograd.py).
 
 Differences from FA2: dropout is not supported (dropout_p must be 0.0), so with
 return_attn_probs=True the third value (S_dmask) is always None. ``deterministic=True`` makes
@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from flash_cute import dispatch, validation
-from flash_cute.autograd import FlashAttnFunc, FlashAttnVarlenFunc, use_custom_ops
+from flash_cute.autograd import (VARLEN_OP_ARGS, FlashAttnFunc, FlashAttnVarlenFunc,
+                                 use_custom_ops)
 
 # Tests set this to False (with a stand-in for dispatch.fwd) to run the whole path on CPU.
 _REQUIRE_CUDA = True
@@ -29,7 +30,10 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
         alibi_slopes=opts["alibi_slopes"])
     if why is not None:
         raise NotImplementedError(f"flash_cute: unsupported option {why}")
-    if varlen:
+    if varlen and use_custom_ops():
+        out, lse = torch.ops.flash_cute.varlen_fwd(q, k, v, *(opts[n] for n in VARLEN_OP_ARGS),
+                                                   deterministic)
+    elif varlen:
         out, lse = FlashAttnVarlenFunc.apply(q, k, v, opts, deterministic)
     elif use_custom_ops():
         # The check above leaves every other option at its default, so the op needs only these.

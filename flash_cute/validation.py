@@ -120,6 +120,13 @@ def check_qkv(q, k, v, *, varlen=False, require_cuda=True):
 
 
 def check_max_seqlen(name, value):
+    """A positive Python int (returned as an int), or under torch.compile a SymInt, which stays
+    symbolic: int() or operator.index would specialize the graph on each value seen, and a
+    training loop would recompile for every new longest sequence."""
+    if (torch.compiler.is_compiling() and isinstance(value, (int, torch.SymInt))
+            and not isinstance(value, bool)):  # dynamo's symbolic ints pass as int here
+        torch._check(value > 0, lambda: f"{name} must be positive")
+        return value
     if isinstance(value, bool) or isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}"
                         + (" (use .item())" if isinstance(value, torch.Tensor) else ""))
@@ -134,7 +141,8 @@ def check_max_seqlen(name, value):
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k, *,
                      validate_cu_seqlens=False):
-    """int32 1-D (batch + 1,) on q's device, equal lengths for q and k. Returns batch.
+    """int32 1-D (batch + 1,) on q's device, equal lengths for q and k. Returns (batch,
+    max_seqlen_q, max_seqlen_k), the latter as check_max_seqlen returns them.
 
     The contents (start at 0, non-decreasing, end at the token count, lengths <= max_seqlen) are
     checked only with validate_cu_seqlens=True or FLASH_CUTE_DEBUG=1: it costs a sync.
@@ -156,7 +164,7 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_
     if validate_cu_seqlens or _debug_enabled():
         check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
         check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
-    return cu_seqlens_q.shape[0] - 1
+    return cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
 
 
 def check_contiguous_1d(name, t):
@@ -278,9 +286,9 @@ def validate_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, 
     if varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError("varlen attention needs both cu_seqlens_q and cu_seqlens_k")
-        batch = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k,
-                                 validate_cu_seqlens=validate_cu_seqlens)
-        max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        batch, max_seqlen_q, max_seqlen_k = check_cu_seqlens(
+            cu_seqlens_q, cu_seqlens_k, q, k, max_seqlen_q, max_seqlen_k,
+            validate_cu_seqlens=validate_cu_seqlens)
     else:
         batch = q.shape[0]
     check_seqused("seqused_q", seqused_q, batch, q.device, cu_seqlens_q,

@@ -4,6 +4,8 @@ dispatch.fwd is replaced by the fp32 oracle, so these tests check plumbing (argu
 packed views, return conventions, the interim backward, the flash_cute::fwd/bwd custom ops and
 torch.compile over them), not kernel numerics.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -269,3 +271,72 @@ def test_eager_twin_matches_custom_op(standin):
     assert out.grad_fn.name() != results[0][0].grad_fn.name()  # two different paths ran
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def _varlen_case(seed=0):
+    cu = torch.tensor([0, 3, 3, 9, 14], dtype=torch.int32)
+    used = torch.tensor([2, 0, 6, 4], dtype=torch.int32)
+    q, k, v = (rand(14, 4, 64, seed=seed), rand(14, 2, 64, seed=seed + 1),
+               rand(14, 2, 64, seed=seed + 2))
+    return cu, used, q, k, v
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+def test_opcheck_varlen(standin, seqused):
+    cu, used, q, k, v = _varlen_case()
+    used = used if seqused else None
+    q, k, v = (t.detach() for t in (q, k, v))
+    args = (cu, cu, used, used, 6, 6, 0.3, True)
+    torch.library.opcheck(torch.ops.flash_cute.varlen_fwd.default, (q, k, v, *args),
+                          test_utils=OPCHECK_TESTS)
+    out, lse = torch.ops.flash_cute.varlen_fwd(q, k, v, *args)
+    dout = rand(64, 4, 14, seed=3, grad=False).transpose(0, 2)  # strided
+    torch.library.opcheck(torch.ops.flash_cute.varlen_bwd.default,
+                          (dout, q, k, v, out, lse, *args, False), test_utils=OPCHECK_TESTS)
+
+
+def test_varlen_op_and_eager_twin_agree(standin):
+    # Under a dispatch mode the varlen call takes flash_cute::varlen_fwd; eager, the plain
+    # Function. Both: the reference's gradients (the per-sequence recompute), bit-identical.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cu, used, q, k, v = _varlen_case()
+    dout = rand(14, 4, 64, seed=3, grad=False)
+    kw = dict(causal=True, seqused_q=used, seqused_k=used)
+    results = []
+    for mode in (FlopCounterMode(display=False), None):
+        with mode or contextlib.nullcontext():
+            out = flash_cute.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, **kw)
+            results.append((out.grad_fn.name(), out, *torch.autograd.grad(out, (q, k, v), dout)))
+    assert results[0][0] != results[1][0]  # two different paths ran
+    for a, b in zip(results[0][1:], results[1][1:]):
+        assert torch.equal(a, b)
+    for got, want in zip(results[1][2:], ref_grads(q, k, v, dout, cu_seqlens_q=cu,
+                                                   cu_seqlens_k=cu, **kw)):
+        torch.testing.assert_close(got, want.to(BF16), **ONE_BF16_STEP)
+    assert (results[1][2][[2, 13]] == 0).all()  # query rows past seqused get no gradient
+
+
+def test_torch_compile_varlen_fullgraph(standin):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def loss(q, k, v, cu, max_len):
+        out = flash_cute.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=True)
+        return out.float().square().mean()
+
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(loss, fullgraph=True, backend=counter)
+        for lens in ([3, 0, 6, 5], [7, 7], [1, 2, 3, 4, 4]):  # new lengths: no new graph each
+            cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+            q, k, v = (rand(14, 4, 64, seed=s) if s == 0 else rand(14, 2, 64, seed=s)
+                       for s in range(3))
+            got = torch.autograd.grad(compiled(q, k, v, cu, max(lens)), (q, k, v))
+            want = torch.autograd.grad(loss(q, k, v, cu, max(lens)), (q, k, v))
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+    finally:
+        torch._dynamo.reset()
+    assert "flash_cute.varlen_fwd" in counter.graphs[0].code
+    assert counter.frame_count <= 2  # max_seqlen turns dynamic after its first change
