@@ -111,51 +111,51 @@ def trace(fn, q, k, v, do, n=20):
             .format(*med))
 
 
+def _fa4(name):
+    """FA4's entry point ``name`` from flash_attn.cute, returning out only; None if absent."""
+    try:
+        import flash_attn.cute as fa4
+    except ImportError:
+        return None
+    fn = getattr(fa4, name)
+
+    def run(*args, **kw):
+        r = fn(*args, **kw)
+        return r[0] if isinstance(r, tuple) else r
+    return run
+
+
 def cases():
-    """(name, ours: {part: fn}, fa4: {part: fn} or None, profiled parts of ours)."""
+    """(name, q, k, v, dout, ours(q, k, v), fa4(q, k, v) or None, our backward called directly)
+    for the varlen workload (d=128 and 64) and two short batched cells."""
     bf = torch.bfloat16
     out = []
     lens = lengths(16384, 0)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
-    longest = max(lens)
+    n = max(lens)
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n, causal=True)
+    fa4_varlen = _fa4("flash_attn_varlen_func")
     for d in (128, 64):
-        h = 2048 // d
-        q, k, v, do = (torch.randn(16384, h, d, device="cuda", dtype=bf) for _ in range(4))
-        ours = lambda q_, k_, v_: flash_attn_varlen_func(q_, k_, v_, cu, cu, longest, longest,
-                                                         causal=True)
-        o, lse = flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True,
-                                        return_attn_probs=True)[:2]
-        bwd_direct = (lambda q=q, k=k, v=v, do=do, o=o, lse=lse, d=d: backward.varlen_bwd(
-            do, q, k, v, o, lse, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-            max_seqlen_k=longest, softmax_scale=d ** -0.5, causal=True))
-        fa4 = None
-        try:
-            from flash_attn.cute import flash_attn_varlen_func as fv
+        q, k, v, do = (torch.randn(16384, 2048 // d, d, device="cuda", dtype=bf)
+                       for _ in range(4))
+        o, lse = flash_attn_varlen_func(q, k, v, **varlen, return_attn_probs=True)[:2]
 
-            def fa4(q_, k_, v_):
-                r = fv(q_, k_, v_, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                       max_seqlen_k=longest, causal=True)
-                return r[0] if isinstance(r, tuple) else r
-        except ImportError:
-            pass
-        out.append((f"varlen d={d} causal", q, k, v, do, ours, fa4, bwd_direct))
+        def bwd_direct(q=q, k=k, v=v, do=do, o=o, lse=lse, d=d):
+            backward.varlen_bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, **varlen)
+        out.append((f"varlen d={d} causal", q, k, v, do,
+                    lambda *qkv: flash_attn_varlen_func(*qkv, **varlen),
+                    fa4_varlen and (lambda *qkv: fa4_varlen(*qkv, **varlen)), bwd_direct))
+    fa4_batched = _fa4("flash_attn_func")
     for d, s, causal in ((128, 1024, False), (64, 1024, True)):
         b, h = 16384 // s, 2048 // d
         q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=bf) for _ in range(4))
-        ours = lambda q_, k_, v_, c=causal: flash_attn_func(q_, k_, v_, causal=c)
         o, lse = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2]
-        bwd_direct = (lambda q=q, k=k, v=v, do=do, o=o, lse=lse, c=causal, d=d: backward.bwd(
-            do, q, k, v, o, lse, softmax_scale=d ** -0.5, causal=c))
-        fa4 = None
-        try:
-            from flash_attn.cute import flash_attn_func as ff
 
-            def fa4(q_, k_, v_, c=causal):
-                r = ff(q_, k_, v_, causal=c)
-                return r[0] if isinstance(r, tuple) else r
-        except ImportError:
-            pass
-        out.append((f"batched d={d} s={s} causal={int(causal)}", q, k, v, do, ours, fa4,
+        def bwd_direct(q=q, k=k, v=v, do=do, o=o, lse=lse, c=causal, d=d):
+            backward.bwd(do, q, k, v, o, lse, softmax_scale=d ** -0.5, causal=c)
+        out.append((f"batched d={d} s={s} causal={int(causal)}", q, k, v, do,
+                    lambda *qkv, c=causal: flash_attn_func(*qkv, causal=c),
+                    fa4_batched and (lambda *qkv, c=causal: fa4_batched(*qkv, causal=c)),
                     bwd_direct))
     return out
 

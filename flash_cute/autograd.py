@@ -7,8 +7,8 @@ records each op as one opaque node shaped by its fake impl instead of tracing in
 launch (which it cannot trace), so attention causes no graph break. The ops take only what the
 kernels run: validation and the unsupported-option checks have already run in Python
 (interface.py), which guarantees the defaults for every other option. Plain eager calls take
-``FlashAttnFunc`` / ``FlashAttnVarlenFunc``, the same functions in plain autograd.Functions, to
-skip the dispatcher's host cost (``use_custom_ops`` says which).
+``FlashAttnFunc``, the same functions in a plain autograd.Function, to skip the dispatcher's
+host cost (``use_custom_ops`` says which).
 
 Backward: the fused SM90 kernels (flash_cute.backward: ``bwd`` batched, ``varlen_bwd`` varlen)
 on an sm_90 GPU for the head dims they cover; otherwise, or with FLASH_CUTE_FUSED_BWD=0, an
@@ -150,7 +150,7 @@ def _is_sm90(device: torch.device) -> bool:
 
 
 def use_custom_ops() -> bool:
-    """True where batched calls must go through the flash_cute:: custom ops: under
+    """True where calls must go through the flash_cute:: custom ops: under
     torch.compile (which records them as opaque nodes) and under a TorchDispatchMode (fake or
     meta tensors, flop counters: the ops' fake impl and schema serve them). Plain eager calls
     take FlashAttnFunc instead, the same forward and backward without the dispatcher's round
@@ -160,37 +160,13 @@ def use_custom_ops() -> bool:
     return torch.compiler.is_compiling() or _current_dispatch_mode() is not None
 
 
-class FlashAttnFunc(torch.autograd.Function):
-    """(q, k, v, softmax_scale, causal, deterministic) -> (out, lse): the eager twin of
-    flash_cute::fwd with its registered autograd (same functions, same saved tensors)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
-        out, lse = dispatch.fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # no zero dlse launched for the unused lse
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        if dout is None:  # only lse reached the loss: it is non-differentiable
-            return (None,) * 6
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = _batched_bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                             ctx.deterministic)
-        return (*(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])),
-                None, None, None)
-
-
 # The varlen ops' arguments after q, k, v, in schema order (all from validate_fwd's options;
 # validation leaves window_size, softcap, alibi_slopes and dropout_p at their defaults).
 VARLEN_OP_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q",
                   "max_seqlen_k", "softmax_scale", "causal")
-_VARLEN_SCHEMA = ("Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k,"
-                  " SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale, bool causal,"
-                  " bool deterministic=False")
+_VARLEN_SCHEMA = ("Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q,"
+                  " Tensor? seqused_k, SymInt max_seqlen_q, SymInt max_seqlen_k,"
+                  " float softmax_scale, bool causal, bool deterministic=False")
 
 
 @torch.library.custom_op("flash_cute::varlen_fwd", mutates_args=(),
@@ -245,7 +221,7 @@ def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, s
                max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False):
     """(dq, dk, dv) of varlen attention: the fused kernels (backward.varlen_bwd) where they
     apply; otherwise the fp32 recompute per sequence (slow, O(s^2) memory). The body of
-    flash_cute::varlen_bwd and of FlashAttnVarlenFunc.backward."""
+    flash_cute::varlen_bwd and of FlashAttnFunc.backward."""
     if _fused_bwd_applies(q):
         return backward.varlen_bwd(
             dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -256,12 +232,14 @@ def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, s
                                softmax_scale, causal)
 
 
-class FlashAttnVarlenFunc(torch.autograd.Function):
-    """(q, k, v, opts, deterministic) -> (out, lse), opts being dispatch.fwd's keyword
-    arguments: the eager twin of flash_cute::varlen_fwd. lse is non-differentiable."""
+class FlashAttnFunc(torch.autograd.Function):
+    """(q, k, v, opts, deterministic) -> (out, lse), opts being validate_fwd's options (the
+    keyword arguments of dispatch.fwd): the eager twin of flash_cute::fwd and varlen_fwd with
+    their autograd (the same functions, without the dispatcher's round trips). lse is
+    non-differentiable; deterministic reaches only the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, opts, deterministic=False):
+    def forward(ctx, q, k, v, opts, deterministic):
         out, lse = dispatch.fwd(q, k, v, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.opts, ctx.deterministic = opts, deterministic
@@ -274,7 +252,12 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         if dout is None:  # only lse reached the loss: it is non-differentiable
             return (None,) * 5
         q, k, v, out, lse = ctx.saved_tensors
-        grads = varlen_bwd(dout, q, k, v, out, lse, *(ctx.opts[n] for n in VARLEN_OP_ARGS),
-                           ctx.deterministic)
+        opts = ctx.opts
+        if opts["cu_seqlens_q"] is None:
+            grads = _batched_bwd(dout, q, k, v, out, lse, opts["softmax_scale"], opts["causal"],
+                                 ctx.deterministic)
+        else:
+            grads = varlen_bwd(dout, q, k, v, out, lse, *(opts[n] for n in VARLEN_OP_ARGS),
+                               ctx.deterministic)
         return (*(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])),
                 None, None)

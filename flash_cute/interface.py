@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from flash_cute import dispatch, validation
-from flash_cute.autograd import (VARLEN_OP_ARGS, FlashAttnFunc, FlashAttnVarlenFunc,
-                                 use_custom_ops)
+from flash_cute.autograd import VARLEN_OP_ARGS, FlashAttnFunc, use_custom_ops
 
 # Tests set this to False (with a stand-in for dispatch.fwd) to run the whole path on CPU.
 _REQUIRE_CUDA = True
@@ -30,18 +29,15 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
         alibi_slopes=opts["alibi_slopes"])
     if why is not None:
         raise NotImplementedError(f"flash_cute: unsupported option {why}")
-    if varlen and use_custom_ops():
+    if not use_custom_ops():  # eager: the same functions without the dispatcher's cost
+        out, lse = FlashAttnFunc.apply(q, k, v, opts, deterministic)
+    elif varlen:
         out, lse = torch.ops.flash_cute.varlen_fwd(q, k, v, *(opts[n] for n in VARLEN_OP_ARGS),
                                                    deterministic)
-    elif varlen:
-        out, lse = FlashAttnVarlenFunc.apply(q, k, v, opts, deterministic)
-    elif use_custom_ops():
+    else:
         # The check above leaves every other option at its default, so the op needs only these.
         out, lse = torch.ops.flash_cute.fwd(q, k, v, opts["softmax_scale"], opts["causal"],
                                             deterministic)
-    else:  # eager: the same functions without the custom op's dispatch cost
-        out, lse = FlashAttnFunc.apply(q, k, v, opts["softmax_scale"], opts["causal"],
-                                       deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -413,10 +413,15 @@ def test_torch_compile_fullgraph_matches_eager():
     def f(q_, k_, v_):
         return flash_attn_func(q_ * 1.5, k_, v_, causal=True) * 2.0
 
+    _assert_compiled_equals_eager(f, (q, k, v), dout)
+
+
+def _assert_compiled_equals_eager(f, leaves, dout):
+    """f and torch.compile(f, fullgraph=True) give equal outputs and gradients."""
     outs = []
     for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
-        out = fn(q, k, v)
-        outs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+        out = fn(*leaves)
+        outs.append((out, *torch.autograd.grad(out, leaves, dout)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), *outs):
         assert torch.equal(a, b), name
 
@@ -631,12 +636,7 @@ def test_varlen_torch_compile_matches_eager():
         return flash_attn_varlen_func(q_, k_, v_, cu_q, cu_k, max_q, max_k, causal=True,
                                       seqused_q=used_q) * 2.0
 
-    outs = []
-    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
-        out = fn(q, k, v)
-        outs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *outs):
-        assert torch.equal(a, b), name
+    _assert_compiled_equals_eager(f, (q, k, v), dout)
 
 
 def varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, *, causal, deterministic=False,
