@@ -673,3 +673,24 @@ def test_bwd_tile_m128_stagger_ptxas(dtype, causal, gqa, deterministic, varlen, 
     monkeypatch.chdir(tmp_path)
     check_ptxas(backward.bwd_ptx(ARCH, dtype, 64, causal, gqa, deterministic, varlen=varlen,
                                  tile_m=128, dq_split="alt", stagger=True), tmp_path)
+
+
+@pytest.mark.parametrize("d,causal,deterministic,persistent", [
+    (128, True, False, False), (128, False, True, False), (64, True, False, False),
+    (96, False, False, True)])
+def test_bwd_k_with_q_ptxas(d, causal, deterministic, persistent, tmp_path, monkeypatch):
+    """cfg.k_with_q (opt-in, batched): K on the first Q stage's barrier, V on its own; compiles
+    without spills or serialized wgmma, on the shipped config of each head dim."""
+    monkeypatch.chdir(tmp_path)
+    overrides = {**(backward.batched_overrides(d) or {}), "k_with_q": True}
+    if persistent:
+        overrides["stagger"] = False
+    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, False, deterministic,
+                                 persistent=persistent, **overrides), tmp_path)
+
+
+def test_k_with_q_rejects():
+    with pytest.raises(ValueError, match="k_with_q"):
+        dataclasses.replace(BwdSm90Config.for_head_dim(256), k_with_q=True)
+    with pytest.raises(NotImplementedError, match="k_with_q"):
+        backward.bwd_ptx(ARCH, "BFloat16", 128, True, varlen=True, k_with_q=True)
