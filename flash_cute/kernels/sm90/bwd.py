@@ -1,12 +1,5 @@
 """SM90 (Hopper) attention backward, step 2 of 3: dK, dV per key block, dQ by bulk reductions.
 
-STATUS: checked on the H200: batched (bench/check_bwd.py), varlen (bench/check_varlen_bwd.py),
-the persistent variant (``cfg.persistent``, opt-in: 0-24% slower than one tile per CTA),
-staggered warpgroups (``cfg.stagger``, on at d=128), dq_first (the lockstep d=128 kernel,
-varlen GQA) and the staged dK / dV epilogue (``cfg.tma_epilogue``, on). Query tiles: 64 rows;
-128 for the batched d=64 non-causal backward (+6-17%); 80 at d=128 is opt-in (13% slower).
-Measurements in docs/performance.md and docs/sass_bwd_vs_fa4.md.
-
 Math (per batch and query head; S = Q K^T unscaled, scale = softmax_scale):
 
     P  = exp2(S * scale*log2(e) - LSE_log2)        (LSE_log2 from bwd_pre: +inf on empty rows)
@@ -33,9 +26,6 @@ tail of up to 7% at s = 1-4k causal). Persistent (``cfg.persistent``): min(tiles
 each looping over tiles blockIdx.x, + gridDim.x, ...; every role walks the same tiles
 (``each_tile``), so the per-tile protocol below repeats, with the cross-tile points noted
 where they differ.
-
-PDL (``cfg.pdl``, opt-in): the load warp waits for bwd_pre after a tile's K / V loads, the dQ
-warp before its role, a varlen CTA past the last tile before it exits (kernels/sm90/pdl.py).
 
 Warp roles (3 warpgroups, 384 threads):
 
@@ -114,34 +104,8 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     plus a second sdS buffer (16 KB) and sdQ fp32 tile_m * (d + DQ_ROW_PAD): d=64 18 KB,
     d=96 26 KB, d=128 34 KB. Totals: d=64 115 KB, d=96 155 KB, d=128 195 KB.
 
-tile_m = 128 (d=64; the batched default with ``dq_split="alt"``: the warpgroup with the turn
-computes the whole 128 x 64 dQ tile, two wgmma along M; ``"m"``: each mma warpgroup owns 64
-query rows of it); ~198 KB of shared memory; dS^T from the 16-bit P^T (``ds_from_p16``);
-P^T / dS^T converted in explicit pairs (``to_16bit``); ``remat_tid`` rebuilds
-thread-index-derived addresses per query block from an opaque %tid.x instead of holding them
-across the loop (they spilled). tile_m = 80 (opt-in, d=128 non-causal,
-``dq_split="t"``): dQ^T = K^T dS^T, stored transposed into sdQ's rows (unpadded, 226 KB).
-
-Varlen (``varlen=True``, one compiled kernel for any lengths): Q, dO, K, V, dK, dV are packed
-(total, heads, d); LSE_log2, D and dQaccum use the padded rows of common/seqlen.py (whole
-tiles per sequence). Tiles are numbered over the key blocks that exist
-(scheduler.varlen_tile_coords); numbers past the last tile return before any pipeline wait
-or named barrier (all 384 threads together). TMA boxes at a sequence's end hold the next
-sequence's rows (past seqused: anything, NaN included), so the mma warpgroups zero them in
-shared memory before any wgmma reads them (K / V once per tile, Q / dO in the block where
-the sequence ends): such a query gets P = exp2(0 - inf) = 0 (LSE_log2 = +inf on padding
-rows) and dS = 0, masked keys keep dS = 0 and dQ finite (0 * NaN would not be). dK / dV rows
-past seqlen_k are never stored; the deterministic semaphores are per padded query tile.
-
-Registers (per mma thread, fp32 unless noted): dK + dV 2 * 64 * d / 128 (d=128: 128), S^T and
-dP^T 2 * 32, P^T and dS^T 2-byte 16 + 16, dQ chunk 32: ~210 live at d=128 of the 240 that
-setmaxnreg grants. The compile tests check every shipped variant for spills and C7512/C7514.
-
-``cfg.tma_epilogue`` (on): dK * scale and dV, in the input dtype, are staged in sK / sV with
-stmatrix once KV_FREE (256) says no wgmma reads them, then leave by one TMA store per tile
-(clipped at seqlen_k) from the first mma warp after DKV_STAGED; varlen by predicated 16-byte
-row stores (a box would write the next sequence's rows). GQA keeps the register stores (fp32:
-twice sK / sV's bytes). kernels/sm90/epilogue.py, store_staged.
+More (status, PDL, tile_m 128 / 80, varlen, registers, the staged dK / dV epilogue):
+docs/architecture.md, "The SM90 backward main kernel".
 """
 from functools import partial
 from typing import Optional, Union
@@ -190,7 +154,7 @@ class FlashBwdSm90:
         """``dkv_dtype``: element type of the dK / dV outputs (the input dtype, or Float32 for
         the per-query-head GQA buffers that bwd_post sums). ``deterministic``: key blocks add
         into a query block's dQaccum in key-block order (a semaphore per query block).
-        ``varlen``: packed sequences (see the module docstring)."""
+        ``varlen``: packed sequences (docs/architecture.md, "The SM90 backward main kernel")."""
         self.deterministic = deterministic
         self.persistent = cfg.persistent
         self.varlen = varlen
@@ -213,7 +177,7 @@ class FlashBwdSm90:
         self.ds_from_p16 = self.tile_m > KEYS_PER_WG
         # tile_m 128: thread-index-derived shared-memory addresses are rebuilt inside each
         # query block from an opaque thread index instead of held live across the loop (they
-        # spilled; see the module docstring).
+        # spilled; docs/architecture.md, "The SM90 backward main kernel").
         self.remat_tid = self.tile_m > KEYS_PER_WG
         # cfg.uniform_dq_desc (docs/sass_bwd_vs_fa4.md): batched only; the varlen kernel
         # spilled 8-20 bytes with it at d=128 (a reload per query block). cfg.early_lse_d is
