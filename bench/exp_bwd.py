@@ -89,7 +89,7 @@ VARIANTS = {
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
-VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger")
+VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "k_with_q")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

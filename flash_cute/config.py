@@ -221,8 +221,9 @@ class BwdSm90Config:
     # the K/V barrier, issued K, Q, LSE, V, dO (FA4's order): the tile's first S^T = K Q^T
     # waits for K and Q only, V is waited for before dP^T. With one CTA per SM (d=128: 195 KB
     # of shared memory) each tile's load latency is exposed; short tiles (s <= 1k, varlen)
-    # feel it most. Batched, narrow kernel only (varlen zeroes K's tail rows at the tile
-    # start). Off: compile-checked only (session 7), never ran on a GPU.
+    # feel it most. Narrow kernel only; varlen tiles whose keys end a sequence still wait
+    # for K and V first (their rows past it are zeroed before any wgmma). Off:
+    # compile-checked only (session 7), never ran on a GPU.
     k_with_q: bool = False
 
     @property

@@ -675,22 +675,25 @@ def test_bwd_tile_m128_stagger_ptxas(dtype, causal, gqa, deterministic, varlen, 
                                  tile_m=128, dq_split="alt", stagger=True), tmp_path)
 
 
-@pytest.mark.parametrize("d,causal,deterministic,persistent", [
-    (128, True, False, False), (128, False, True, False), (64, True, False, False),
-    (96, False, False, True)])
-def test_bwd_k_with_q_ptxas(d, causal, deterministic, persistent, tmp_path, monkeypatch):
-    """cfg.k_with_q (opt-in, batched): K on the first Q stage's barrier, V on its own; compiles
-    without spills or serialized wgmma, on the shipped config of each head dim."""
+@pytest.mark.parametrize("d,causal,gqa,deterministic,varlen,persistent", [
+    (128, True, False, False, False, False), (128, False, False, True, False, False),
+    (64, True, False, False, False, False), (96, False, False, False, False, True),
+    (128, True, False, False, True, False), (128, True, True, True, True, False),
+    (64, False, False, False, True, False)])
+def test_bwd_k_with_q_ptxas(d, causal, gqa, deterministic, varlen, persistent, tmp_path,
+                            monkeypatch):
+    """cfg.k_with_q (opt-in): K on the first Q stage's barrier, V on its own; compiles
+    without spills or serialized wgmma on the shipped config of each head dim (batched d=64:
+    its 128-row tile), batched and varlen."""
     monkeypatch.chdir(tmp_path)
-    overrides = {**(backward.batched_overrides(d) or {}), "k_with_q": True}
+    overrides = {**((backward.batched_overrides(d) or {}) if not varlen else {}),
+                 "k_with_q": True}
     if persistent:
         overrides["stagger"] = False
-    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, False, deterministic,
-                                 persistent=persistent, **overrides), tmp_path)
+    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa, deterministic,
+                                 varlen=varlen, persistent=persistent, **overrides), tmp_path)
 
 
-def test_k_with_q_rejects():
+def test_k_with_q_rejects_wide():
     with pytest.raises(ValueError, match="k_with_q"):
         dataclasses.replace(BwdSm90Config.for_head_dim(256), k_with_q=True)
-    with pytest.raises(NotImplementedError, match="k_with_q"):
-        backward.bwd_ptx(ARCH, "BFloat16", 128, True, varlen=True, k_with_q=True)

@@ -52,10 +52,11 @@ empty barrier: one arrive per consumer warp, 8):
              tile's K/V load runs under this tile's epilogue (registers -> global, no smem).
              cfg.tma_epilogue (dK / dV staged in sK / sV): the storing warp alone releases
              it, once its TMA stores have read them (varlen: the 8 warps, after their stores).
-             cfg.k_with_q (batched, opt-in): V alone on it, issued after the tile's first
-             Q; K's bytes join that first Q stage's barrier (one extra expect_tx), so the
-             first S^T waits for K + Q only and each dP^T waits for V (at once after the
-             first); a tile without query blocks still loads V (the phase completes).
+             cfg.k_with_q (opt-in): V alone on it, issued after the tile's first Q; K's
+             bytes join that first Q stage's barrier (one extra expect_tx), so the first
+             S^T waits for K + Q only and each dP^T waits for V (at once after the first);
+             a tile without query blocks still loads V (the phase completes). Varlen: a
+             tile whose keys end its sequence waits for both before zeroing the rows past.
     pipe_q   load -> 8 mma warps, `stages` stages: Q tile + LSE_log2 tile on one barrier.
     pipe_do  load -> 8 mma warps, `stages` stages: dO tile + D tile on one barrier.
     pipe_q and pipe_do advance in lockstep, so one PipelineState (index, phase) per side serves
@@ -183,9 +184,6 @@ class FlashBwdSm90:
         # spilled 8-20 bytes with it at d=128 (a reload per query block). cfg.early_lse_d is
         # read as is (varlen: off unless asked for, backward._compile_main).
         self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
-        if cfg.k_with_q and varlen:
-            raise NotImplementedError("k_with_q: batched only (varlen zeroes the rows of K "
-                                      "past a sequence at the tile start, before any S^T)")
 
     @property
     def staged_dkv(self) -> bool:
@@ -647,7 +645,13 @@ class FlashBwdSm90:
         if const_expr(self.varlen):
             keys = seqlen_k - n_block * tn
             if keys < tn:
-                self.zero_tail_rows((sK, sV), keys, tidx)
+                if const_expr(self.cfg.k_with_q):
+                    if m_begin < m_end:  # K lands with the first Q stage, V on its own
+                        pipe_q.consumer_wait(st)
+                        wait_v()
+                        self.zero_tail_rows((sK, sV), keys, tidx)
+                else:
+                    self.zero_tail_rows((sK, sV), keys, tidx)
             q_tail_rows = seqlen_q - (m_end - 1) * tm
             q_tail = m_end - 1 if q_tail_rows < tm else Int32(-1)
         m_mask_end = cutlass.max(m_begin, block_info.m_block_mask_end(
