@@ -129,9 +129,14 @@ def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     grads = torch.ops.flash_cute.bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
                                      ctx.deterministic)
-    # The op computes all three; hand autograd only those it asked for (none for the flags).
-    wanted = (g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3]))
-    return (*wanted, None, None, None)
+    return _input_grads(ctx, grads)
+
+
+def _input_grads(ctx, grads):
+    """One gradient per input of ``ctx``'s function: dq, dk, dv where autograd asked for
+    them (the backward computes all three), None for every other input (the flags)."""
+    needs = ctx.needs_input_grad
+    return (*(g if n else None for g, n in zip(grads, needs)), *(None,) * (len(needs) - 3))
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -210,8 +215,7 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_op_backward(ctx, dout, _dlse):
     grads = torch.ops.flash_cute.varlen_bwd(dout, *ctx.saved_tensors, *ctx.scalars)
-    wanted = (g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3]))
-    return (*wanted, *(None,) * (len(ctx.needs_input_grad) - 3))
+    return _input_grads(ctx, grads)
 
 
 _varlen_fwd.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
@@ -259,5 +263,4 @@ class FlashAttnFunc(torch.autograd.Function):
         else:
             grads = varlen_bwd(dout, q, k, v, out, lse, *(opts[n] for n in VARLEN_OP_ARGS),
                                ctx.deterministic)
-        return (*(g if n else None for g, n in zip(grads, ctx.needs_input_grad[:3])),
-                None, None)
+        return _input_grads(ctx, grads)
