@@ -82,14 +82,10 @@ VARIANTS = {
     # tile) so the warpgroups can stagger; compiled clean, not yet timed (session 5).
     "tm128_alt": {"tile_m": 128, "dq_split": "alt"},
     "tm128_stagger": {"tile_m": 128, "dq_split": "alt", "stagger": True},
-    # BwdSm90Config.k_with_q (session 7, compiled, not yet run): K on the first Q stage's
-    # barrier, V after it on its own; e.g. --also-short default k_with_q k_with_q_det
-    "k_with_q": {"k_with_q": True},
-    "k_with_q_det": {"k_with_q": True, "deterministic": True},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
-VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "k_with_q")
+VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

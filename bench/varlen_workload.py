@@ -92,11 +92,11 @@ def main():
     impls["sdpa_pad"] = sdpa_pad
 
     if args.bwd_configs:
-        return compare_configs(args.bwd_configs, step(impls["flash_cute"]), flops)
+        return compare_configs(args.bwd_configs, step(impls["flash_cute"]), flops, args.rounds)
     # Interleaved rounds, median per implementation: each timed call syncs, so the host's cost
     # is in it, and the host's speed drifts over a run; interleaving shares the drift out.
     times = {name: ([], []) for name in impls}
-    for r in range(args.rounds):
+    for _ in range(args.rounds):
         for name, fn in impls.items():
             if times[name] is None:
                 continue
@@ -118,23 +118,28 @@ def main():
             kernel_times(name, step(fn))
 
 
-def compare_configs(specs, run, flops, rounds=5):
-    """Median training-step time of ours under each FLASH_CUTE_BWD_CONFIG spec, interleaved."""
+def compare_configs(specs, run, flops, rounds):
+    """Ours under each FLASH_CUTE_BWD_CONFIG spec: the median synced step time over interleaved
+    rounds (host time included, so noisy), then the GPU time per step (profiler: the kernels
+    alone, the steadier number for a kernel config)."""
     from flash_cute.backward import CONFIG_ENV
     times = {spec: [] for spec in specs}
     for _ in range(rounds):
         for spec in specs:
             os.environ[CONFIG_ENV] = spec
             times[spec].append(timeit(run, reps=5))
-    os.environ.pop(CONFIG_ENV)
     for spec, ts in times.items():
+        os.environ[CONFIG_ENV] = spec
         t = statistics.median(ts)
+        gpu = kernel_times(None, run)
         print(f"{spec or 'shipped':>24}: fwd+bwd {3.5 * flops / t / 1e9:6.0f} TFLOP/s "
-              f"({t:.3f} ms)", flush=True)
+              f"({t:.3f} ms), GPU {gpu:.0f} us per step", flush=True)
+    os.environ.pop(CONFIG_ENV)
 
 
 def kernel_times(name, run, steps=5, top=8):
-    """GPU microseconds per step for the ``top`` most expensive kernels of ``run``."""
+    """GPU microseconds per step of ``run`` (returned); with a ``name``, also printed with the
+    ``top`` most expensive kernels."""
     from torch.profiler import ProfilerActivity, profile
     run()  # compiled and warm
     torch.cuda.synchronize()
@@ -145,9 +150,12 @@ def kernel_times(name, run, steps=5, top=8):
     rows = [(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0), e.key)
             for e in prof.key_averages()]
     rows = sorted((r for r in rows if r[0] > 0), reverse=True)
-    print(f"{name}: GPU time per step {sum(t for t, _ in rows) / steps:.0f} us", flush=True)
-    for t, key in rows[:top]:
-        print(f"    {t / steps:8.1f} us  {key[:90]}", flush=True)
+    total = sum(t for t, _ in rows) / steps
+    if name is not None:
+        print(f"{name}: GPU time per step {total:.0f} us", flush=True)
+        for t, key in rows[:top]:
+            print(f"    {t / steps:8.1f} us  {key[:90]}", flush=True)
+    return total
 
 
 if __name__ == "__main__":

@@ -217,14 +217,6 @@ class BwdSm90Config:
     # exp2 at once behind an idle tensor pipe: ncu, docs/performance.md session 5). Per-parity
     # named barriers keep consecutive blocks' phases apart. One CTA per tile only.
     stagger: bool = False
-    # K rides on the tile's first Q stage (its bytes added to that barrier) and V alone on
-    # the K/V barrier, issued K, Q, LSE, V, dO (FA4's order): the tile's first S^T = K Q^T
-    # waits for K and Q only, V is waited for before dP^T. With one CTA per SM (d=128: 195 KB
-    # of shared memory) each tile's load latency is exposed; short tiles (s <= 1k, varlen)
-    # feel it most. Narrow kernel only; varlen tiles whose keys end a sequence still wait
-    # for K and V first (their rows past it are zeroed before any wgmma). Off:
-    # compile-checked only (session 7), never ran on a GPU.
-    k_with_q: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -321,8 +313,6 @@ class BwdSm90Config:
             raise ValueError(f"stagger: dq_split 'alt' without dq_first, the wide layout or the "
                              f"persistent kernel; got dq_split {self.dq_split!r}, dq_first "
                              f"{self.dq_first}, wide {self.wide}, persistent {self.persistent}")
-        if self.k_with_q and self.wide:
-            raise ValueError("k_with_q: narrow kernel (d 64/96/128) only")
         if (self.do_stages or self.dq_per_turn) and not self.wide:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
 

@@ -125,7 +125,8 @@ def check_max_seqlen(name, value):
     training loop would recompile for every new longest sequence."""
     if (torch.compiler.is_compiling() and isinstance(value, (int, torch.SymInt))
             and not isinstance(value, bool)):  # dynamo's symbolic ints pass as int here
-        torch._check(value > 0, lambda: f"{name} must be positive")
+        # torch 2.11's dynamo cannot trace a message lambda with a closure (graph break): no name.
+        torch._check(value > 0, lambda: "max_seqlen_q and max_seqlen_k must be positive")
         return value
     if isinstance(value, bool) or isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a Python int, got {type(value).__name__}"

@@ -52,11 +52,6 @@ empty barrier: one arrive per consumer warp, 8):
              tile's K/V load runs under this tile's epilogue (registers -> global, no smem).
              cfg.tma_epilogue (dK / dV staged in sK / sV): the storing warp alone releases
              it, once its TMA stores have read them (varlen: the 8 warps, after their stores).
-             cfg.k_with_q (opt-in): V alone on it, issued after the tile's first Q; K's
-             bytes join that first Q stage's barrier (one extra expect_tx), so the first
-             S^T waits for K + Q only and each dP^T waits for V (at once after the first);
-             a tile without query blocks still loads V (the phase completes). Varlen: a
-             tile whose keys end its sequence waits for both before zeroing the rows past.
     pipe_q   load -> 8 mma warps, `stages` stages: Q tile + LSE_log2 tile on one barrier.
     pipe_do  load -> 8 mma warps, `stages` stages: dO tile + D tile on one barrier.
     pipe_q and pipe_do advance in lockstep, so one PipelineState (index, phase) per side serves
@@ -252,9 +247,7 @@ class FlashBwdSm90:
                 cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
         q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
         self.q_stage_bytes = q_bytes + tm * 4        # Q (or dO) tile + LSE (or D) row
-        self.k_bytes = cute.size_in_bytes(dt, sK_layout)
-        # pipe_kv's transaction bytes per tile: K and V, or V alone (cfg.k_with_q).
-        self.kv_bytes = self.k_bytes * (1 if self.cfg.k_with_q else 2)
+        self.kv_bytes = 2 * cute.size_in_bytes(dt, sK_layout)
 
         @cute.struct
         class SharedStorage:
@@ -492,38 +485,23 @@ class FlashBwdSm90:
 
         # Persistent: waits until the mma warpgroups released the previous tile's K and V.
         pipe_kv.producer_acquire(kv)
-        if const_expr(not self.cfg.k_with_q):  # else both are issued by load_tile
-            cute.copy(ops.tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
-            cute.copy(ops.tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        cute.copy(ops.tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        cute.copy(ops.tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
         pdl.wait_prior(self.cfg.pdl)  # LSE_log2 and D are bwd_pre's; K and V are not
-        return ((tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD), (tKgK, tKsK),
-                (tVgV, tVsV))
+        return (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD)
 
     @cute.jit
     def load_tile(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tile: KeyTile, states):
         """One tile's loads; returns the advanced (kv, q/dO) producer states."""
         kv, st = states
-        tQ, tL, tdO, tD, tK, tV = self.load_kv(ops, pipe_kv, tile, kv)
+        tQ, tL, tdO, tD = self.load_kv(ops, pipe_kv, tile, kv)
         (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
-        bar_kv = pipe_kv.producer_get_barrier(kv)
         kv.advance()
-        first = tile.m_begin
-        if const_expr(self.cfg.k_with_q):
-            if first == tile.m_end:  # no query block: V alone completes the K/V phase
-                cute.copy(ops.tma_v, tV[0], tV[1], tma_bar_ptr=bar_kv)
-        for m_block in cutlass.range(first, tile.m_end, unroll=1):
+        for m_block in cutlass.range(tile.m_begin, tile.m_end, unroll=1):
             pipe_q.producer_acquire(st)
             bar_q = pipe_q.producer_get_barrier(st)
-            if const_expr(self.cfg.k_with_q):
-                if m_block == first:  # K's bytes join this stage before any of its copies
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_expect_tx(bar_q, self.k_bytes)
-                    cute.copy(ops.tma_k, tK[0], tK[1], tma_bar_ptr=bar_q)
             cute.copy(ops.tma_q, tQgQ[None, m_block], tQsQ[None, st.index], tma_bar_ptr=bar_q)
             cute.copy(ops.tma_lse, tLgL[None, m_block], tLsL[None, st.index], tma_bar_ptr=bar_q)
-            if const_expr(self.cfg.k_with_q):
-                if m_block == first:  # V behind K and Q: the first S^T need not wait for it
-                    cute.copy(ops.tma_v, tV[0], tV[1], tma_bar_ptr=bar_kv)
             self.load_do(ops.tma_do, ops.tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st, m_block)
             st.advance()
         return kv, st
@@ -634,24 +612,13 @@ class FlashBwdSm90:
         tdVrdV, tdKrdK = frags[4], frags[5]
         tdVrdV.fill(0.0)
         tdKrdK.fill(0.0)
-        v_arg = {}  # the wide kernel's m_step (no k_with_q) takes no wait_v
-        if const_expr(self.cfg.k_with_q):  # K comes with the first Q; V before each dP^T
-            wait_v = partial(pipe_kv.consumer_wait, kv)
-            v_arg = {"wait_v": wait_v}
-        else:
-            pipe_kv.consumer_wait(kv)
+        pipe_kv.consumer_wait(kv)
         # Varlen: the query block where the sequence ends mid-block (-1: none) and its rows.
         q_tail, q_tail_rows = Int32(-1), Int32(0)
         if const_expr(self.varlen):
             keys = seqlen_k - n_block * tn
             if keys < tn:
-                if const_expr(self.cfg.k_with_q):
-                    if m_begin < m_end:  # K lands with the first Q stage, V on its own
-                        pipe_q.consumer_wait(st)
-                        wait_v()
-                        self.zero_tail_rows((sK, sV), keys, tidx)
-                else:
-                    self.zero_tail_rows((sK, sV), keys, tidx)
+                self.zero_tail_rows((sK, sV), keys, tidx)
             q_tail_rows = seqlen_q - (m_end - 1) * tm
             q_tail = m_end - 1 if q_tail_rows < tm else Int32(-1)
         m_mask_end = cutlass.max(m_begin, block_info.m_block_mask_end(
@@ -659,13 +626,11 @@ class FlashBwdSm90:
         for m_block in cutlass.range(m_begin, cutlass.min(m_mask_end, m_end), unroll=1):
             st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
-                             q_tail, q_tail_rows, **v_arg)
+                             q_tail, q_tail_rows)
         for m_block in cutlass.range(m_mask_end, m_end, unroll=1):
             st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
-                             q_tail, q_tail_rows, **v_arg)
-        if const_expr(self.cfg.k_with_q):
-            wait_v()  # a tile without query blocks: V has landed before the epilogue's sV use
+                             q_tail, q_tail_rows)
         if const_expr(self.persistent and not self.staged_dkv):
             # The last reads of sK / sV (the dQ wgmma) were waited on in the last m_step: the
             # load warp may bring the next tile's K and V in under this epilogue.
@@ -709,13 +674,12 @@ class FlashBwdSm90:
                    tdPrV: cute.Tensor, tdPrdO: cute.Tensor, tScS: cute.Tensor,
                    t0ScS: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, pipe_q, pipe_do,
                    n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32,
-                   q_tail_rows: Int32, sLSE: Optional[cute.Tensor] = None, wait_v=None):
+                   q_tail_rows: Int32, sLSE: Optional[cute.Tensor] = None):
         """S^T = K Q^T and dP^T = V dO^T of one query block, once its Q and dO stages are in
         (varlen: rows past the sequence zeroed first). Returns with S^T complete (and masked,
         on a masked block, where dP^T is complete too); otherwise dP^T may still run.
         cfg.early_lse_d: returns this thread's LSE_log2 columns in registers, read from
-        ``sLSE`` while the GEMMs run (else None). ``wait_v`` (cfg.k_with_q): waits for V
-        before dP^T (passes at once after the tile's first block)."""
+        ``sLSE`` while the GEMMs run (else None)."""
         s, s_do = st_q.index, st_do.index
         if const_expr(self.varlen):
             if m_block == q_tail:  # the sequence ends inside this block
@@ -729,8 +693,6 @@ class FlashBwdSm90:
         if const_expr(self.cfg.early_lse_d):  # LSE rides with Q: its stage is in
             lse = bwd_cols.load_cols(sLSE, tScS, t0ScS, s)
         pipe_do.consumer_wait(st_do)
-        if const_expr(wait_v is not None):
-            wait_v()
         gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s_do], zero_init=True,
              wait_group=-1)
         if const_expr(masked):
@@ -762,10 +724,8 @@ class FlashBwdSm90:
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
                mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
                sD: cute.Tensor, pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32,
-               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32,
-               wait_v=None):
-        """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring).
-        ``wait_v``: cfg.k_with_q's wait for V, before dP^T."""
+               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
+        """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring)."""
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
          tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
         s = st.index
@@ -777,7 +737,7 @@ class FlashBwdSm90:
         step = st.count if const_expr(self.persistent) else m_block
         lse = self.issue_s_dp(m_block, st, st, masked, mma_sdp, tSrS, tdPrdP, tSrK, tSrQ, tdPrV,
                               tdPrdO, tScS, t0ScS, sQ, sdO, pipe_q, pipe_do, n_block, seqlen_q,
-                              seqlen_k, q_tail, q_tail_rows, sLSE, wait_v)
+                              seqlen_k, q_tail, q_tail_rows, sLSE)
         self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2, lse)
         s_mn = acc_as_mn(tSrS)
         if const_expr(not self.ds_from_p16):

@@ -408,7 +408,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
                                                 self.cfg.stages)
             st_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.cfg.do_stages)
-            tQ, tL, tdO, tD, _, _ = self.load_kv(ops, pipe_kv, tile, kv)
+            tQ, tL, tdO, tD = self.load_kv(ops, pipe_kv, tile, kv)
             (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
             # Acquire in the order the stages free up: Q(m+1) waits for the end of block
             # m+1-stages, dO(m+1) for the dV of block m+1-do_stages, which comes first when
