@@ -54,6 +54,10 @@ VARIANTS = {
     "tn176_persistent": lambda d, causal: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "tile_n": 176,
          "packed_p_cvt": True} if d == 128 else None),
+    # The persistent walk before session 8 at d=128 non-causal (128-key blocks).
+    "persistent_tn128": lambda d, causal: (
+        {**persistent_fwd_overrides(d, causal, dynamic=causal), "tile_n": 128}
+        if d == 128 else None),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),

@@ -357,17 +357,19 @@ def _parse_env_config(spec: str) -> tuple:
     return tuple(out.items())
 
 
-# The d=64 backward takes the 128-row query tile (FA3/FA4's), its 128 x 64 dQ tile computed
-# by one warpgroup in turn ("alt"). H200, session 6 (bench/exp_bwd.py --d 64 --also-short
-# default tm64 tm128_alt tm128_stagger), TFLOP/s 64 rows / 128 rows "m" / 128 rows "alt":
-# s=4k non-causal 389 / 422 / 478, s=16k causal 460 / - / 511, s <= 1k within 3%. Varlen
-# since session 8 (bench/varlen_workload.py --d 64: 198 -> 213 TFLOP/s, session 7).
+# The batched d=64 backward takes the 128-row query tile (FA3/FA4's), its 128 x 64 dQ tile
+# computed by one warpgroup in turn ("alt"). H200, session 6 (bench/exp_bwd.py --d 64
+# --also-short default tm64 tm128_alt tm128_stagger), TFLOP/s 64 rows / 128 rows "m" / 128
+# rows "alt": s=4k non-causal 389 / 422 / 478, s=16k causal 460 / - / 511, s <= 1k within 3%.
+# Varlen keeps 64 rows: the same GPU time per step on the d=64 varlen workload (session 8,
+# bench/varlen_workload.py --d 64 --bwd-configs "" tile_m=128,dq_split=alt: 1194 / 1190 us),
+# and 64-row padding allocates less.
 D64_TILE_M128 = {"tile_m": 128, "dq_split": "alt"}
 
 
 def tile_overrides(d: int, cfg_overrides=None):
-    """The backward's config overrides (batched and varlen): D64_TILE_M128 at d=64 unless the
-    caller or FLASH_CUTE_BWD_CONFIG chooses the tile."""
+    """The batched backward's config overrides: D64_TILE_M128 at d=64 unless the caller or
+    FLASH_CUTE_BWD_CONFIG chooses the tile."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
     if d == 64 and not chosen & set(D64_TILE_M128):
         return {**D64_TILE_M128, **(cfg_overrides or {})}
@@ -567,7 +569,6 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if seqused_k is not None:  # the kernel writes no key row past seqused_k
         dk.zero_(), dv.zero_()
     _require_runnable(d, q.device)
-    cfg_overrides = tile_overrides(d, cfg_overrides)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)

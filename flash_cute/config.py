@@ -59,10 +59,14 @@ class FwdSm90Config:
 # (no spills, no wgmma serialized; docs/performance.md, "Persistent forward"), the shipped P
 # conversion wherever that is clean. The dynamic order (an atomic tile counter) adds a few
 # registers to the load warp only, so it runs with the same overrides.
+# d=128 non-causal takes FA3's 176-key block (spill-free with the packed P conversion only):
+# fewer, longer blocks per tile. H200, session 8 (bench/exp_fwd.py --d 128 --shapes long short,
+# persistent_ship vs tn176_persistent): +0.5% s=4k, +1.6% s=16k, +4% s=1k, -1.5% s=512; causal
+# lost 8-16% at s <= 2k (more masked keys on the diagonal) and keeps 128.
 PACKED = {"packed_p_cvt": True}
 PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
-                  (128, False): PACKED, (128, True): {}, (192, False): PACKED, (192, True): {},
-                  (256, False): PACKED, (256, True): {}}
+                  (128, False): {**PACKED, "tile_n": 176}, (128, True): {},
+                  (192, False): PACKED, (192, True): {}, (256, False): PACKED, (256, True): {}}
 
 
 def persistent_fwd_overrides(d: int, causal: bool, dynamic: bool = False):

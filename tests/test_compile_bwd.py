@@ -84,13 +84,10 @@ def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monke
     check_main_sass(sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic), tmp_path))
 
 
-# The d=64 kernel as shipped (backward.tile_overrides: 128-row tile, "alt" dQ turns; the
-# 64-row variants above are the FLASH_CUTE_BWD_CONFIG=tile_m=64 fallback), plus samples of its
-# varlen form and its persistent (opt-in) loop. Columns: ..., varlen, persistent.
+# The batched d=64 kernel as shipped (backward.tile_overrides: 128-row tile, "alt" dQ turns;
+# the 64-row variants above are varlen's), plus its persistent (opt-in) loop. Columns: ...,
+# varlen, persistent.
 SHIPPED_64 = [(*v, False, False) for v in VARIANTS if v[1] == 64] + [
-    ("BFloat16", 64, False, False, False, True, False),
-    ("BFloat16", 64, True, True, False, True, False),
-    ("Float16", 64, True, True, True, True, False),
     ("BFloat16", 64, False, True, False, False, True),
     ("BFloat16", 64, True, False, False, False, True)]
 
@@ -626,8 +623,8 @@ def test_stagger_config():
 
 
 def test_d64_tile_m128_overrides(monkeypatch):
-    """The d=64 backward (batched and varlen) takes 128-row query tiles ("alt" dQ turns)
-    unless the caller or FLASH_CUTE_BWD_CONFIG picks the tile; other head dims keep theirs."""
+    """The batched d=64 backward takes 128-row query tiles ("alt" dQ turns) unless the caller
+    or FLASH_CUTE_BWD_CONFIG picks the tile; other head dims keep theirs."""
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
     assert backward.tile_overrides(64) == backward.D64_TILE_M128
     for causal in (False, True):
