@@ -54,6 +54,15 @@ VARIANTS = {
     "tn176_persistent": lambda d, causal: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "tile_n": 176,
          "packed_p_cvt": True} if d == 128 else None),
+    # d=64 with two consumer warpgroups (128 x 128 tiles, 128 x 192 non-causal) instead of
+    # three (192 x 128), under the shipped persistent walk: causal tiles of 128 rows cross
+    # fewer diagonal key blocks (less masked work at s <= 1k).
+    "p2wg": lambda d, causal: (
+        {**persistent_fwd_overrides(d, causal, dynamic=causal), "num_consumer_wg": 2}
+        if d == 64 else None),
+    "p2wg_n192": lambda d, causal: (
+        {**persistent_fwd_overrides(d, causal, dynamic=causal), "num_consumer_wg": 2,
+         "tile_n": 192} if d == 64 and not causal else None),
     # The persistent walk before session 8 at d=128 non-causal (128-key blocks).
     "persistent_tn128": lambda d, causal: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "tile_n": 128}
@@ -64,7 +73,7 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
              (128, 16384, True),
              (256, 4096, False), (256, 16384, True)],
     # Few key blocks per tile: the per-tile prologue/epilogue and the grid tail weigh most.
-    "short": [(64, 512, False), (64, 1024, True), (128, 512, False), (128, 1024, False),
+    "short": [(64, 512, False), (64, 1024, False), (64, 1024, True), (128, 512, False), (128, 1024, False),
               (128, 1024, True),
               (128, 2048, True), (256, 1024, True)],
 }
