@@ -73,9 +73,8 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
              (128, 16384, True),
              (256, 4096, False), (256, 16384, True)],
     # Few key blocks per tile: the per-tile prologue/epilogue and the grid tail weigh most.
-    "short": [(64, 512, False), (64, 1024, False), (64, 1024, True), (128, 512, False), (128, 1024, False),
-              (128, 1024, True),
-              (128, 2048, True), (256, 1024, True)],
+    "short": [(64, 512, False), (64, 1024, False), (64, 1024, True), (128, 512, False),
+              (128, 1024, False), (128, 1024, True), (128, 2048, True), (256, 1024, True)],
 }
 ROUNDS = 5
 CHECK_CTAS = 7
