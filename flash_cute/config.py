@@ -1,5 +1,6 @@
 """Static kernel configurations: everything here changes the generated code."""
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -76,6 +77,33 @@ def persistent_fwd_overrides(d: int, causal: bool, dynamic: bool = False):
     if extra is None:
         return None
     return {"persistent": True, **({"dynamic": True} if dynamic else {}), **extra}
+
+
+# d=64 causal, short queries: two consumer warpgroups (128 x 128 tiles) instead of three
+# (192 x 128): a 128-row causal tile crosses fewer diagonal key blocks, so less of its work is
+# masked. H200, session 8 (bench/exp_fwd.py --d 64 --shapes long short, persistent_ship vs
+# p2wg): s=1k causal +8%; s=16k causal -14%, s=4k non-causal -16% (three hide more latency).
+NARROW_FWD = {"num_consumer_wg": 2}
+NARROW_FWD_MAX_SEQLEN_Q = 1024  # the longest length measured to gain; 2k-4k unmeasured
+
+
+def narrow_fwd(d: int, causal: bool, seqlen_q: int) -> bool:
+    """Whether a batched forward call takes NARROW_FWD (chosen per call; compiled once)."""
+    return d == 64 and causal and seqlen_q <= NARROW_FWD_MAX_SEQLEN_Q
+
+
+@functools.lru_cache(maxsize=None)  # asked for on every call
+def fwd_tile_m(d: int, narrow: bool) -> int:
+    """Query rows per tile of a batched forward call (the persistent overrides keep it)."""
+    cfg = FwdSm90Config.for_head_dim(d)
+    return dataclasses.replace(cfg, **NARROW_FWD).tile_m if narrow else cfg.tile_m
+
+
+def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool = False,
+                  narrow: bool = False):
+    """FwdSm90Config overrides of one compiled forward (dispatch.get_fwd_kernel's key)."""
+    base = persistent_fwd_overrides(d, causal, dynamic) if persistent else {}
+    return {**base, **(NARROW_FWD if narrow else {})}
 
 
 def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):

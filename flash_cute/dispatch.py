@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, heads_per_section,
-                     persistent_fwd_overrides, persistent_fwd_walk)
+from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, fwd_overrides, fwd_tile_m,
+                     heads_per_section, narrow_fwd, persistent_fwd_overrides, persistent_fwd_walk)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
@@ -137,13 +137,14 @@ def compile_kernel(fn, args, keep=False):
 
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
-                   persistent: bool = False, dynamic: bool = False):
-    """dynamic: the persistent kernel's atomic-counter tile order (needs persistent)."""
+                   persistent: bool = False, dynamic: bool = False, narrow: bool = False):
+    """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
+    config.NARROW_FWD (d=64 causal, short queries)."""
     key = (("fwd", arch, dtype_name, d, causal, varlen) + (("persistent",) if persistent else ())
-           + (("dynamic",) if dynamic else ()))
+           + (("dynamic",) if dynamic else ()) + (("narrow",) if narrow else ()))
     with _cache_lock:
         if key not in _cache:
-            overrides = persistent_fwd_overrides(d, causal, dynamic) if persistent else {}
+            overrides = fwd_overrides(d, causal, persistent, dynamic, narrow)
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, **overrides)
         return _cache[key]
 
@@ -171,10 +172,10 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int):
+def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int, tile_m: int):
     """(CTA budget, dynamic) of the persistent kernel when this call should run it, else None.
     The budget is SMs x 1 CTA per SM (every forward tile fills an SM's registers); dynamic:
-    the atomic-counter tile order instead of the static walk."""
+    the atomic-counter tile order instead of the static walk. tile_m: the call's query tile."""
     mode = os.environ.get(PERSISTENT_FWD_ENV, "auto")
     dynamic = mode == "dyn" or mode.startswith("dyn:")
     walk = mode[len("dyn:"):] if mode.startswith("dyn:") else ("1" if dynamic else mode)
@@ -187,7 +188,6 @@ def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int):
         overrides = persistent_fwd_overrides(d, causal, dynamic)
         return None if overrides is None else (int(walk[len("ctas="):]), dynamic)
     sms = num_sms(device)
-    tile_m = FwdSm90Config.for_head_dim(d).tile_m  # the persistent overrides keep tile_m
     choice = persistent_fwd_walk(-(-seqlen_q // tile_m) * num_hb, sms, causal)
     if choice is None:
         return None
@@ -235,9 +235,11 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         lse.fill_(-math.inf)
         return out, lse
     arch = _device_arch(q.device)
-    ctas, dynamic = _persistent_ctas(q.device, d, causal, sq, b * h) or (None, False)
+    narrow = narrow_fwd(d, causal, sq)
+    ctas, dynamic = _persistent_ctas(q.device, d, causal, sq, b * h,
+                                     fwd_tile_m(d, narrow)) or (None, False)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
-                            persistent=ctas is not None, dynamic=dynamic)
+                            persistent=ctas is not None, dynamic=dynamic, narrow=narrow)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            heads_per_section(sk, d, q.element_size(), b * h), *NO_VARLEN, ctas,
            new_tile_counter(q.device) if dynamic else None)

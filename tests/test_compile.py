@@ -11,7 +11,7 @@ import pytest
 from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_opcodes
 
 from flash_cute import dispatch
-from flash_cute.config import PERSISTENT_FWD, persistent_fwd_overrides
+from flash_cute.config import PERSISTENT_FWD, fwd_overrides, persistent_fwd_overrides
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -19,8 +19,13 @@ def _arch():
     require_arch()
 
 
-# Configurations kept compiling (and spill-free) for experiments, beside the shipped variants.
-EXPERIMENTS = ([("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c in (False, True)]
+# Configurations kept compiling (and spill-free) for experiments, beside the shipped variants;
+# the first rows are shipped too: d=64 causal short calls (config.narrow_fwd), one tile per CTA
+# and under both persistent walks.
+EXPERIMENTS = ([("BFloat16", 64, True, fwd_overrides(64, True, p, dyn, narrow=True))
+                for p, dyn in ((False, False), (True, False), (True, True))]
+               + [("Float16", 64, True, fwd_overrides(64, True, True, True, narrow=True))]
+               + [("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c in (False, True)]
                + [("BFloat16", 64, c, {"num_consumer_wg": 3, "packed_p_cvt": True})
                   for c in (False, True)]
                + [(dt, d, True, {"packed_p_cvt": True}) for dt in ("BFloat16", "Float16")

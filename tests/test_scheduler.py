@@ -92,13 +92,28 @@ def test_persistent_forward_heuristic():
     assert persistent_fwd_walk(4096, 132, causal=True) == "dynamic"  # unequal tiles
 
 
+def test_narrow_forward_choice():
+    """d=64 causal calls with at most NARROW_FWD_MAX_SEQLEN_Q queries take two consumer
+    warpgroups (128-row tiles); every other call keeps its head dim's tile."""
+    from flash_cute.config import (NARROW_FWD_MAX_SEQLEN_Q, fwd_overrides, fwd_tile_m,
+                                   narrow_fwd)
+    n = NARROW_FWD_MAX_SEQLEN_Q
+    assert narrow_fwd(64, True, 1) and narrow_fwd(64, True, n)
+    assert not narrow_fwd(64, True, n + 1) and not narrow_fwd(64, False, 512)
+    assert not narrow_fwd(128, True, 512)
+    assert (fwd_tile_m(64, True), fwd_tile_m(64, False), fwd_tile_m(128, False)) == (128, 192, 128)
+    assert fwd_overrides(64, True, persistent=True, dynamic=True, narrow=True) == {
+        "persistent": True, "dynamic": True, "num_consumer_wg": 2}
+    assert fwd_overrides(64, True) == {}
+
+
 @pytest.mark.parametrize("mode", ["yes", "dyn:1x", "dyn:", "dyn:dyn"])
 def test_persistent_forward_env_is_checked(monkeypatch, mode):
     import torch
     from flash_cute import dispatch
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
     with pytest.raises(ValueError, match="FLASH_CUTE_FWD_PERSISTENT"):
-        dispatch._persistent_ctas(torch.device("cpu"), 128, False, 4096, 64)
+        dispatch._persistent_ctas(torch.device("cpu"), 128, False, 4096, 64, 128)
 
 
 @pytest.mark.parametrize("mode,expected", [("ctas=7", (7, False)), ("dyn:ctas=7", (7, True)),
@@ -109,7 +124,8 @@ def test_persistent_forward_env_modes(monkeypatch, mode, expected):
     from flash_cute import dispatch
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
     for causal in (False, True):
-        assert dispatch._persistent_ctas(torch.device("cpu"), 128, causal, 4096, 64) == expected
+        ctas = dispatch._persistent_ctas(torch.device("cpu"), 128, causal, 4096, 64, 128)
+        assert ctas == expected
 
 
 def dynamic_walk(durations, grid):
