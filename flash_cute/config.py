@@ -1,6 +1,6 @@
 """Static kernel configurations: everything here changes the generated code."""
-import functools
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)

@@ -76,7 +76,8 @@ sQ (each warpgroup overwrites only its own, already consumed, Q rows). The mbarr
 the dynamic order, pipe_tile's 4 mbarriers and 2 slots: 40 bytes) sit below sQ's 1 KB
 alignment.
     d=64 (tile_m 192): 24K + 32K + 32K = 88 KB      d=128: 32K + 64K + 64K = 160 KB
-    d=128 persistent non-causal (tile_n 176): 32K + 88K + 88K = 208 KB
+    d=128 persistent non-causal (tile_n 176): 32K + 88K + 88K = 208 KB; d=64 short causal
+    (config.narrow_fwd, tile_m 128): 16K + 32K + 32K = 80 KB
     d=192 (tile_n 112): 48K + 84K + 84K = 216 KB      d=256 (tile_n 80): 64K + 80K + 80K = 224 KB
 """
 import enum
