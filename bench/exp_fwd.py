@@ -75,6 +75,8 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     # Few key blocks per tile: the per-tile prologue/epilogue and the grid tail weigh most.
     "short": [(64, 512, False), (64, 1024, False), (64, 1024, True), (128, 512, False),
               (128, 1024, False), (128, 1024, True), (128, 2048, True), (256, 1024, True)],
+    # Between: where config.narrow_fwd's d=64 causal threshold (1024, measured) should sit.
+    "mid": [(64, 1536, True), (64, 2048, True), (64, 3072, True)],
 }
 ROUNDS = 5
 CHECK_CTAS = 7
