@@ -364,15 +364,15 @@ def _parse_env_config(spec: str) -> tuple:
 # Varlen keeps 64 rows: the same GPU time per step on the d=64 varlen workload (session 8,
 # bench/varlen_workload.py --d 64 --bwd-configs "" tile_m=128,dq_split=alt: 1194 / 1190 us),
 # and 64-row padding allocates less.
-D64_TILE_M128 = {"tile_m": 128, "dq_split": "alt"}
+BATCHED_TILE_M128 = {"tile_m": 128, "dq_split": "alt"}
 
 
-def tile_overrides(d: int, cfg_overrides=None):
-    """The batched backward's config overrides: D64_TILE_M128 at d=64 unless the caller or
-    FLASH_CUTE_BWD_CONFIG chooses the tile."""
+def batched_overrides(d: int, cfg_overrides=None):
+    """The batched backward's config overrides: BATCHED_TILE_M128 at d=64 unless the caller
+    or FLASH_CUTE_BWD_CONFIG chooses the tile."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
-    if d == 64 and not chosen & set(D64_TILE_M128):
-        return {**D64_TILE_M128, **(cfg_overrides or {})}
+    if d == 64 and not chosen & set(BATCHED_TILE_M128):
+        return {**BATCHED_TILE_M128, **(cfg_overrides or {})}
     return cfg_overrides
 
 
@@ -511,7 +511,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if dk.numel() == 0:
         return dq.zero_(), dk, dv
     _require_runnable(d, q.device)
-    cfg_overrides = tile_overrides(d, cfg_overrides)
+    cfg_overrides = batched_overrides(d, cfg_overrides)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)

@@ -84,22 +84,20 @@ def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monke
     check_main_sass(sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic), tmp_path))
 
 
-# The batched d=64 kernel as shipped (backward.tile_overrides: 128-row tile, "alt" dQ turns;
-# the 64-row variants above are varlen's), plus its persistent (opt-in) loop. Columns: ...,
-# varlen, persistent.
-SHIPPED_64 = [(*v, False, False) for v in VARIANTS if v[1] == 64] + [
-    ("BFloat16", 64, False, True, False, False, True),
-    ("BFloat16", 64, True, False, False, False, True)]
+# The batched d=64 kernel as shipped (backward.batched_overrides: 128-row tile, "alt" dQ
+# turns; the 64-row variants above are varlen's), plus its persistent (opt-in) loop.
+BATCHED_64 = [(*v, False) for v in VARIANTS if v[1] == 64] + [
+    ("BFloat16", 64, False, True, False, True), ("BFloat16", 64, True, False, False, True)]
 
 
-@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,varlen,persistent", SHIPPED_64,
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,persistent", BATCHED_64,
                          ids=lambda v: str(v))
-def test_bwd_main_shipped_d64_compiles(dtype, d, causal, gqa, deterministic, varlen,
-                                       persistent, tmp_path, monkeypatch):
+def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, persistent,
+                                       tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    cubin = backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, varlen=varlen,
-                               persistent=persistent, **backward.tile_overrides(d))
+    cubin = backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic,
+                               persistent=persistent, **backward.batched_overrides(d))
     check_main_sass(sass_opcodes(cubin, tmp_path))
 
 
@@ -622,21 +620,21 @@ def test_stagger_config():
     dataclasses.replace(cfg, **BWD_LOCKSTEP_128)  # the session-4 kernel stays reachable
 
 
-def test_d64_tile_m128_overrides(monkeypatch):
+def test_batched_tile_m128_overrides(monkeypatch):
     """The batched d=64 backward takes 128-row query tiles ("alt" dQ turns) unless the caller
-    or FLASH_CUTE_BWD_CONFIG picks the tile; other head dims keep theirs."""
+    or FLASH_CUTE_BWD_CONFIG picks the tile; other head dims keep their config."""
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    assert backward.tile_overrides(64) == backward.D64_TILE_M128
+    assert backward.batched_overrides(64) == backward.BATCHED_TILE_M128
     for causal in (False, True):
-        cfg = backward.bwd_config(64, backward.tile_overrides(64), causal)
+        cfg = backward.bwd_config(64, backward.batched_overrides(64), causal)
         assert cfg.tile_m == 128 and cfg.dq_split == "alt" and not cfg.stagger
-    assert backward.tile_overrides(128, {"pdl": True}) == {"pdl": True}
-    assert backward.tile_overrides(96) is None
-    assert backward.tile_overrides(64, {"tile_m": 64}) == {"tile_m": 64}
-    assert backward.tile_overrides(64, {"pdl": True}) == {
-        **backward.D64_TILE_M128, "pdl": True}
+    assert backward.batched_overrides(128, {"pdl": True}) == {"pdl": True}
+    assert backward.batched_overrides(96) is None
+    assert backward.batched_overrides(64, {"tile_m": 64}) == {"tile_m": 64}
+    assert backward.batched_overrides(64, {"pdl": True}) == {
+        **backward.BATCHED_TILE_M128, "pdl": True}
     monkeypatch.setenv(backward.CONFIG_ENV, "dq_split=m")
-    assert backward.tile_overrides(64) is None
+    assert backward.batched_overrides(64) is None
 
 
 def test_bwd_stagger_sass(tmp_path, monkeypatch):

@@ -728,7 +728,7 @@ def test_varlen_grads_match_batched_per_sequence(d, causal, monkeypatch):
     """Each sequence alone through flash_attn_func: same tiles, same query-block order, and
     with deterministic=True the same dQ addition order, so the same gradients (to one
     rounding; bitwise expected). d=64: the batched default takes 128-row tiles
-    (backward.tile_overrides), varlen 64, so the batched runs are pinned to varlen's."""
+    (backward.batched_overrides), varlen 64, so the batched runs are pinned to varlen's."""
     lens_q, lens_k = [1500, 0, 1, 130, 64, 700, 3], [1500, 5, 0, 260, 64, 1, 129]
     q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, 4, 2, d, seed=d + 1)
     dout = rand(*q.shape, seed=d + 2)
