@@ -296,7 +296,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                  pdl=False):
+                  pdl=False, dq_swizzle=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -317,7 +317,7 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
         varlen_args = NO_VARLEN_Q
     if tile_m is None:
         tile_m = BwdSm90Config.for_head_dim(d).tile_m
-    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl),
+    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle),
                           (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
@@ -395,10 +395,10 @@ def _config(d: int, overrides: tuple) -> BwdSm90Config:
 def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                     deterministic: bool = False, varlen: bool = False,
                     persistent: bool = False, cfg_overrides=None):
-    """(pre, main, post) compiled TVM-FFI functions; pre/post are shared across the flags
-    and keyed by the main kernel's tile_m (their padding unit) and pdl (how they are
-    chained to it). Varlen: (pre, main, post for dq, batched post for the GQA dK/dV sums).
-    ``cfg_overrides``: see bwd_config."""
+    """(pre, main, post for dq, batched post for the GQA dK/dV sums) compiled TVM-FFI
+    functions; pre/post are shared across the flags and keyed by the main kernel's tile_m
+    (their padding unit), pdl (how they are chained to it) and, for dq, cfg.dq_swizzle (the
+    accumulator's order). ``cfg_overrides``: see bwd_config."""
     overrides = {**env_overrides(), **(cfg_overrides or {})}  # bwd_config's, parsed once
     cfg = _config(d, tuple(overrides.items()))
     tm, pdl = cfg.tile_m, cfg.pdl
@@ -410,12 +410,13 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
                                       deterministic=deterministic, varlen=varlen,
                                       persistent=persistent, **overrides))
-    post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl),
+    post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, False),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
-    if not varlen:
-        return pre, main, post
-    post_dq = _get(("bwd_post", arch, dtype_name, d, True, tm, pdl),
-                   lambda: _compile_post(arch, dtype_name, d, varlen=True, tile_m=tm, pdl=pdl))
+    sw = cfg.dq_swizzle
+    post_dq = post if not (varlen or sw) else _get(
+        ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw),
+        lambda: _compile_post(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
+                              dq_swizzle=sw))
     return pre, main, post_dq, post
 
 
@@ -515,9 +516,10 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)
-    pre, main, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
-                                      gqa, bool(deterministic), persistent=persistent,
-                                      cfg_overrides=cfg_overrides)
+    pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
+                                               bool(causal), gqa, bool(deterministic),
+                                               persistent=persistent,
+                                               cfg_overrides=cfg_overrides)
     q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
     lse = lse.detach().contiguous()
 
@@ -537,7 +539,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
          *_sched_args(persistent, q.device, sq, d, b * h))
-    post(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
+    post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
         post(dv_out, dv, 1.0, *NO_VARLEN_Q)

@@ -260,8 +260,14 @@ class BwdSm90Config:
         """fp32 padding per dQ row (dQaccum and sdQ). tile_m = 80: none. Its shared memory
         (sK, sV 32 KB each, sQ, sdO, 2 x sdS 40 KB each, sdQ 40 KB, LSE/D) fills 226 KB of the
         227 KB with unpadded rows (padded: 42.5 KB, over); its dQ^T stores are scalar and
-        transposed anyway, the pad's conflict-free 8-byte row stores do not apply."""
+        transposed, kept conflict-free by a swizzle instead (dq_swizzle)."""
         return 0 if self.dq_split == "t" else DQ_ROW_PAD
+
+    @property
+    def dq_swizzle(self) -> bool:
+        """dQaccum's (and sdQ's) 8-float column groups permuted per row (kernels/sm90/bwd.py
+        DQT_SWIZZLE: group g of row r sits at g ^ ((r >> 1) & 3)); dq_split "t" only."""
+        return self.dq_split == "t"
 
     @property
     def num_do_stages(self) -> int:

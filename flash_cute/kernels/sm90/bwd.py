@@ -138,6 +138,11 @@ DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ turn + the dQ warp
 DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
 STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
+# dq_split "t": a warp's transposed dQ^T store writes 8 d-columns x 4 query rows 2 apart; with
+# 128-float rows these share banks (4-way). XOR-ing d's bits 3-4 with the query's bits 1-2
+# (offset bits 8-9) spreads them over 32 banks. dQaccum holds the same order (the bulk reduce
+# copies bytes); bwd_post undoes it (BwdSm90Config.dq_swizzle).
+DQT_SWIZZLE = (2, 3, 5)
 AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself (to_16bit)
 
 
@@ -365,7 +370,8 @@ class FlashBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sLSE_layout)
         sD = storage.sD.get_tensor(sLSE_layout)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout, swizzle=cute.make_swizzle(*DQT_SWIZZLE)) \
+            if const_expr(self.cfg.dq_swizzle) else storage.sdQ.get_tensor(sdQ_layout)
 
         tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
                           mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)

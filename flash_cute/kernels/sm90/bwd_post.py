@@ -22,6 +22,10 @@ of CTA timing and needs no zeroed accumulator. Thread mapping: one thread per 8-
 of one output row (16 bytes out, G x 32 bytes in), a flat 1-D grid; sizes and strides are
 runtime values, so one compile serves every shape of a (dtype, head dim).
 
+dQ of the 80-row tile (``dq_swizzle=True``, BwdSm90Config.dq_swizzle): the main kernel wrote
+each dQaccum row's 8-float groups permuted (group g of row r at g ^ ((r >> 1) & 3), r counted
+from a tile start, all multiples of 8), so a thread reads its vector from the permuted group.
+
 PDL (``pdl=True``, kernels/sm90/pdl.py): launched as a programmatic dependent of the kernel
 before it (the main kernel, or this one for the GQA sums), so every thread waits for that
 kernel's completion before reading the accumulators.
@@ -43,9 +47,10 @@ VEC = 8  # elements per thread: 16 bytes of 2-byte output, two 16-byte fp32 load
 
 class FlashBwdPostSm90:
     def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
-                 pdl: bool = False):
+                 pdl: bool = False, dq_swizzle: bool = False):
         """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
-        launched as the programmatic dependent of the kernel before it."""
+        launched as the programmatic dependent of the kernel before it. ``dq_swizzle``: the
+        accumulator's column groups are permuted per row (module docstring)."""
         if head_dim % VEC != 0:
             raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
         self.dtype = dtype
@@ -53,6 +58,7 @@ class FlashBwdPostSm90:
         self.varlen = varlen
         self.tile_m = tile_m
         self.pdl = pdl
+        self.dq_swizzle = dq_swizzle
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
@@ -105,7 +111,7 @@ class FlashBwdPostSm90:
                     acc.fill(0.0)
                     if pos < seq.seqlen_q:  # past seqused_q: 0
                         gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
-                                               (VEC,), (col,))
+                                               (VEC,), (self.src_col(col, pos),))
                         cute.autovec_copy(gAcc, acc)
                     out = cute.make_rmem_tensor((VEC,), self.dtype)
                     out.store((acc.load() * scale).to(self.dtype))
@@ -131,9 +137,14 @@ class FlashBwdPostSm90:
             acc.fill(0.0)
             part = cute.make_rmem_tensor((VEC,), Float32)
             for g in cutlass.range(group, unroll=1):
-                gAcc = cute.local_tile(mAcc[b, pos, head * group + g, None], (VEC,), (col,))
+                gAcc = cute.local_tile(mAcc[b, pos, head * group + g, None], (VEC,),
+                                       (self.src_col(col, pos),))
                 cute.autovec_copy(gAcc, part)
                 acc.store(acc.load() + part.load())
             out = cute.make_rmem_tensor((VEC,), self.dtype)
             out.store((acc.load() * scale).to(self.dtype))
             cute.autovec_copy(out, cute.local_tile(mOut[b, pos, head, None], (VEC,), (col,)))
+
+    def src_col(self, col, row):
+        """The accumulator's vector index holding output vector ``col`` of ``row``."""
+        return col ^ ((row >> 1) & 3) if const_expr(self.dq_swizzle) else col
