@@ -63,6 +63,11 @@ VARIANTS = {
     "tm80": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t"},
     "tm80_dq_last": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t", "dq_first": False},
     "tm80_det": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t", "deterministic": True},
+    # tile_m 80 with "alt" turns (dq_split "talt": one warpgroup computes dQ^T in two chunks,
+    # the other runs on, as the shipped d=128 stagger); with / without early LSE / D.
+    "talt_lse": {"tile_m": 80, "dq_split": "talt"},
+    "talt": {"tile_m": 80, "dq_split": "talt", "early_lse_d": False},
+    "talt_det": {"tile_m": 80, "dq_split": "talt", "deterministic": True},
     # docs/sass_bwd_vs_fa4.md: uniform dQ descriptors (d=128, tm80, tm128; a no-op for "alt"),
     # LSE / D read into registers before the wgmma waits (tile_m 64), and both.
     "udq": {"uniform_dq_desc": True},
@@ -88,7 +93,7 @@ VARIANTS = {
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
-VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80")
+VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80", "talt_lse")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

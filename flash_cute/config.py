@@ -192,7 +192,8 @@ class BwdSm90Config:
     # warpgroup, alternating per query block; "m", split along the queries, 64 rows each
     # (tile_m = 128 only: the dQ tile is then 128 x d); "t", transposed: dQ^T = K^T dS^T with
     # d split (64 rows of dQ^T per warpgroup), N = the queries (tile_m = 80 only, d = 128,
-    # non-causal). (Per-warpgroup tiles over its own 64 keys, two
+    # non-causal); "talt", transposed and by one warpgroup in turn (dq_chunk rows of dQ^T at
+    # a time; tile_m = 80, with stagger). (Per-warpgroup tiles over its own 64 keys, two
     # reductions per block, measured 21-29% slower; docs/performance.md bwd v3/v4.)
     dq_split: str = "alt"
     # Opt-in: min(tiles, SMs) CTAs, each looping over key-block tiles in
@@ -218,8 +219,9 @@ class BwdSm90Config:
     # LSE_log2 / D of this thread's query columns read from shared memory into registers
     # before the wgmma waits (LSE after the S^T issue, D before the dV issue), as FA3/FA4 do:
     # the LDS latency then runs under the GEMMs instead of in front of the first exp2 / dS
-    # FADD. tile_m 64 only (at 80 / 128 it spilled 150-400 bytes). Both flags are batched only:
-    # the varlen kernel keeps the default (d=128 varlen spilled 8-20 bytes with either).
+    # FADD. tile_m 64 and "talt" only (at 80 "t" / 128 it spilled 150-400 bytes). Both flags
+    # are batched only: the varlen kernel keeps the default (d=128 varlen spilled 8-20 bytes
+    # with either).
     early_lse_d: bool = False
     # dO/D ring depth; 0: ``stages`` (Q and dO stages advance in lockstep on one state). The
     # wide kernel at d=256 affords 2 Q stages but 1 dO stage; its dO stage is then released
@@ -261,13 +263,23 @@ class BwdSm90Config:
         (sK, sV 32 KB each, sQ, sdO, 2 x sdS 40 KB each, sdQ 40 KB, LSE/D) fills 226 KB of the
         227 KB with unpadded rows (padded: 42.5 KB, over); its dQ^T stores are scalar and
         transposed, kept conflict-free by a swizzle instead (dq_swizzle)."""
-        return 0 if self.dq_split == "t" else DQ_ROW_PAD
+        return 0 if self.dq_transposed else DQ_ROW_PAD
 
     @property
     def dq_swizzle(self) -> bool:
         """dQaccum's (and sdQ's) 8-float column groups permuted per row (kernels/sm90/bwd.py
-        DQT_SWIZZLE: group g of row r sits at g ^ ((r >> 1) & 3)); dq_split "t" only."""
-        return self.dq_split == "t"
+        DQT_SWIZZLE: group g of row r sits at g ^ ((r >> 1) & 3)); transposed dQ only."""
+        return self.dq_transposed
+
+    @property
+    def dq_transposed(self) -> bool:
+        """dQ computed as dQ^T = K^T dS^T (tile_m = 80)."""
+        return self.dq_split in ("t", "talt")
+
+    @property
+    def dq_turns(self) -> bool:
+        """One warpgroup computes the block's whole dQ tile, alternating per block."""
+        return self.dq_split in ("alt", "talt")
 
     @property
     def num_do_stages(self) -> int:
@@ -308,14 +320,14 @@ class BwdSm90Config:
         return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d, dq_split="alt")
 
     def __post_init__(self):
-        if self.dq_split not in ("n", "alt", "m", "t"):
-            raise ValueError(f"dq_split must be 'n', 'alt', 'm' or 't', got {self.dq_split!r}")
-        if (self.dq_split == "t") != (self.tile_m == BWD_TILE_M80) and not self.wide:
-            raise ValueError(f"tile_m={BWD_TILE_M80} goes with dq_split='t' (the transposed dQ "
-                             f"tile) and only with it; got tile_m {self.tile_m}, dq_split "
+        if self.dq_split not in ("n", "alt", "m", "t", "talt"):
+            raise ValueError(f"dq_split must be 'n', 'alt', 'm', 't' or 'talt', got "
                              f"{self.dq_split!r}")
-        if self.dq_split == "t" and (self.wide or
-                                     self.head_dim not in BWD_TILE_M80_HEAD_DIMS):
+        if self.dq_transposed != (self.tile_m == BWD_TILE_M80) and not self.wide:
+            raise ValueError(f"tile_m={BWD_TILE_M80} goes with dq_split 't' or 'talt' (the "
+                             f"transposed dQ tile) and only with them; got tile_m "
+                             f"{self.tile_m}, dq_split {self.dq_split!r}")
+        if self.dq_transposed and (self.wide or self.head_dim not in BWD_TILE_M80_HEAD_DIMS):
             raise ValueError(f"dq_split='t' (tile_m {BWD_TILE_M80}): narrow kernel at head_dim in "
                              f"{BWD_TILE_M80_HEAD_DIMS} only, got head_dim {self.head_dim}, "
                              f"wide {self.wide}")
@@ -343,13 +355,14 @@ class BwdSm90Config:
                              f"dq_split {self.dq_split!r})")
         if (self.uniform_dq_desc or self.early_lse_d) and self.wide:
             raise ValueError("uniform_dq_desc / early_lse_d: narrow kernel (d 64/96/128) only")
-        if self.early_lse_d and self.tile_m != 64:
-            raise ValueError(f"early_lse_d: tile_m 64 only (got {self.tile_m}: 40-64 more live "
+        if self.early_lse_d and self.tile_m != 64 and self.dq_split != "talt":
+            raise ValueError(f"early_lse_d: tile_m 64 or dq_split 'talt' only (got tile_m "
+                             f"{self.tile_m}, dq_split {self.dq_split!r}: 40-64 more live "
                              f"registers, ptxas spilled 150-400 bytes)")
-        if self.stagger and (self.dq_split != "alt" or self.wide or self.persistent or
+        if self.stagger and (not self.dq_turns or self.wide or self.persistent or
                              self.dq_first):
-            raise ValueError(f"stagger: dq_split 'alt' without dq_first, the wide layout or the "
-                             f"persistent kernel; got dq_split {self.dq_split!r}, dq_first "
+            raise ValueError(f"stagger: dq_split 'alt' / 'talt' without dq_first, the wide "
+                             f"layout or the persistent kernel; got dq_split {self.dq_split!r}, dq_first "
                              f"{self.dq_first}, wide {self.wide}, persistent {self.persistent}")
         if (self.do_stages or self.dq_per_turn) and not self.wide:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")

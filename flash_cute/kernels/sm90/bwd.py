@@ -140,8 +140,10 @@ DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ 
 STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
 # dq_split "t": a warp's transposed dQ^T store writes 8 d-columns x 4 query rows 2 apart; with
 # 128-float rows these share banks (4-way). XOR-ing d's bits 3-4 with the query's bits 1-2
-# (offset bits 8-9) spreads them over 32 banks. dQaccum holds the same order (the bulk reduce
-# copies bytes); bwd_post undoes it (BwdSm90Config.dq_swizzle).
+# (element offset bits 8-9 into 3-4) spreads them over 32 banks. A layout swizzle (on the
+# offset in sdQ), not a pointer one (on the address: would need sdQ 4 KB-aligned). dQaccum
+# holds the same order (the bulk reduce copies bytes); bwd_post undoes it
+# (BwdSm90Config.dq_swizzle).
 DQT_SWIZZLE = (2, 3, 5)
 AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself (to_16bit)
 
@@ -301,8 +303,12 @@ class FlashBwdSm90:
         # queries, 64 rows (one wgmma M) each; "alt": one warpgroup, d in chunks; "t"
         # (tile_m = 80, not a multiple of the wgmma M): dQ^T = K^T dS^T, M = d split over the
         # warpgroups (64 each), N = tile_m queries, A = K^T (d contiguous), B = dS^T (queries
-        # contiguous).
-        if const_expr(self.cfg.dq_split == "t"):
+        # contiguous); "talt": that by one warpgroup, d in chunks of one wgmma M.
+        if const_expr(self.cfg.dq_split == "talt"):
+            mma_dq = sm90_utils.make_trivial_tiled_mma(
+                dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
+                tiler_mn=(self.cfg.dq_chunk, tm))
+        elif const_expr(self.cfg.dq_split == "t"):
             mma_dq = sm90_utils.make_trivial_tiled_mma(
                 dt, dt, MN_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(NUM_MMA_WG, 1, 1),
                 tiler_mn=(d // NUM_MMA_WG, tm))
@@ -370,8 +376,9 @@ class FlashBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sLSE_layout)
         sD = storage.sD.get_tensor(sLSE_layout)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout, swizzle=cute.make_swizzle(*DQT_SWIZZLE)) \
-            if const_expr(self.cfg.dq_swizzle) else storage.sdQ.get_tensor(sdQ_layout)
+        sdQ = storage.sdQ.get_tensor(
+            cute.make_composed_layout(cute.make_swizzle(*DQT_SWIZZLE), 0, sdQ_layout)
+            if const_expr(self.cfg.dq_swizzle) else sdQ_layout)
 
         tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
                           mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
@@ -556,6 +563,16 @@ class FlashBwdSm90:
                 cute.local_tile(transpose_mn(sK), (chunk, tn), (c, 0)))) for c in range(d // chunk)]
             tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
             tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ, (tm, chunk), (0, c)))
+                      for c in range(d // chunk)]
+        elif const_expr(self.cfg.dq_split == "talt"):
+            # "alt" transposed: dQ^T chunks of `chunk` rows of d = K^T[chunk] dS^T, by one
+            # warpgroup in turn; stored transposed into sdQ's (query, d) rows as "t".
+            thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
+            tdQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sdS)))
+            tdQrK = [mma_dq.make_fragment_A(thr_dq.partition_A(
+                cute.local_tile(transpose_mn(sK), (chunk, tn), (c, 0)))) for c in range(d // chunk)]
+            tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
+            tdQsdQ = [thr_dq.partition_C(cute.local_tile(transpose_mn(sdQ), (chunk, tm), (c, 0)))
                       for c in range(d // chunk)]
         elif const_expr(self.cfg.dq_split == "t"):
             # This warpgroup's 64 rows (of d) of dQ^T = K^T dS^T over all tile_n keys; the
@@ -790,7 +807,7 @@ class FlashBwdSm90:
 
                 # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
-                if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
+                if wg == step % NUM_MMA_WG or const_expr(not self.cfg.dq_turns):
                     self.dq_to_smem(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK,
                                     tdQsdQ)
                 else:
@@ -816,7 +833,7 @@ class FlashBwdSm90:
         # One branch holding both GEMMs of the dQ warpgroup: with the dQ issue and the dQ
         # reads in two branches ("alt"), ptxas sees accumulators read while their wgmma may
         # still run and serializes (C7514).
-        if wg == step % NUM_MMA_WG or const_expr(self.cfg.dq_split != "alt"):
+        if wg == step % NUM_MMA_WG or const_expr(not self.cfg.dq_turns):
             gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[0]), zero_init=True,
                  wait_group=-1)
             gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ, zero_init=False, wait_group=-1)
@@ -871,7 +888,7 @@ class FlashBwdSm90:
 
     def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
         """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""
-        return (rK, rdS) if const_expr(self.cfg.dq_split == "t") else (rdS, rK)
+        return (rK, rdS) if const_expr(self.cfg.dq_transposed) else (rdS, rK)
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
