@@ -5,12 +5,15 @@
     python bench/exp_bwd.py --d 256 default         # only the shapes of these head dims
     python bench/exp_bwd.py --d 256 default wide_old wide_early_do wide_turns
     python bench/exp_bwd.py --short default pdl     # short sequences (SHORT_SHAPES)
+    python bench/exp_bwd.py --nc128 tm64 talt_lse   # d=128 non-causal, s = 1k .. 16k
 A variant is a BwdSm90Config override of the main kernel (or deterministic=True), passed to
 backward.bwd as cfg_overrides: preprocess, postprocess and the host allocations follow its
 tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m").
 "tm80" (d=128 non-causal only, FA3/FA4's tile): tile_m = 80, the dQ tile computed transposed
 (dq_split "t": dQ^T = K^T dS^T), its shared-memory stores swizzled (session 9);
-"tm80_dq_last" issues dQ after dK, "tm80_det" is deterministic.
+"tm80_dq_last" issues dQ after dK, "tm80_det" is deterministic. "talt" / "talt_lse": tile_m 80
+with the dQ^T tile by one warpgroup in turn, staggered (shipped for long non-causal d=128
+calls, backward.BATCHED_TALT: "default" takes it there; "tm64" pins the 64-row tile).
 "udq" / "early_lse_d" / "udq_lse" (BwdSm90Config.uniform_dq_desc / early_lse_d, from the SASS
 comparison with FA4, docs/sass_bwd_vs_fa4.md): e.g. ``python bench/exp_bwd.py --d 128,64 default
 udq early_lse_d udq_lse``; "tm80_udq" is tm80 with uniform_dq_desc.
@@ -117,7 +120,12 @@ SHAPES = [(128, 16384, False), (128, 4096, False), (128, 16384, True), (64, 4096
 # launches and the main kernel's prologue weigh most ("pdl").
 SHORT_SHAPES = [(64, 512, False), (64, 512, True), (128, 512, False), (128, 1024, True),
                 (256, 512, False), (256, 1024, True)]
-if SHORT:
+NC128 = "--nc128" in ARGS  # d=128 non-causal over seqlen: where "talt" starts to pay
+if NC128:
+    ARGS.remove("--nc128")
+if NC128:
+    SHAPES = [(128, s, False) for s in (1024, 2048, 4096, 8192, 16384)]
+elif SHORT:
     SHAPES = SHORT_SHAPES
 elif BOTH:
     SHAPES = SHAPES + SHORT_SHAPES

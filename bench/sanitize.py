@@ -3,8 +3,9 @@ for compute-sanitizer (memcheck, racecheck, synccheck) on the H200.
 
     compute-sanitizer --tool memcheck --report-api-errors no python bench/sanitize.py
     compute-sanitizer --tool racecheck python bench/sanitize.py bwd128c   # one case
-Covers the one-tile forward, the persistent forward (7 CTAs, several tiles each), the fused
-backward (bwd_pre, main, bwd_post; GQA and causal) and the varlen forward and backward.
+Covers the one-tile forward (d=64 causal short: the two-warpgroup tile), the persistent
+forward (7 CTAs, several tiles each), the fused backward (bwd_pre, main, bwd_post; GQA and
+causal; d=128 non-causal long: the 80-row tile) and the varlen forward and backward.
 """
 import os
 import sys
@@ -68,10 +69,14 @@ CASES = {
     "bwd64": lambda: check(64, False, 130, 70),
     "persistent128": lambda: check(128, False, 300, 300, persistent="ctas=7"),
     "bwd96c": lambda: check(96, True, 257, 129),
+    # d=128 non-causal past backward.BWD_TALT_MIN_SEQLEN_Q: the 80-row "talt" backward tile
+    "bwd128_talt": lambda: check(128, False, 2100, 2200),
+    "fwd64c_narrow": lambda: check(64, True, 300, 517),  # two consumer warpgroups (narrow)
     "varlen128c": lambda: check_varlen(128, True),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
-DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "varlen128c")
+DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
+           "varlen128c")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:

@@ -101,6 +101,25 @@ def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, per
     check_main_sass(sass_opcodes(cubin, tmp_path))
 
 
+# The batched d=128 non-causal kernel of long calls as shipped (backward.BATCHED_TALT: 80-row
+# tile, dQ^T by one warpgroup in turn, staggered): both dtypes, GQA, deterministic.
+TALT_128 = [(dt, 128, False, g, det) for dt in ("BFloat16", "Float16") for g in (False, True)
+            for det in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", TALT_128, ids=lambda v: str(v))
+def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tmp_path,
+                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    ov = backward.batched_overrides(d, None, causal, backward.BWD_TALT_MIN_SEQLEN_Q)
+    assert ov == backward.BATCHED_TALT
+    ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, **ov),
+                       tmp_path)
+    check_main_sass(ops)
+    assert ops.get("STS.64", 0) == 0 and ops.get("STS", 0) > 0  # the transposed dQ^T stores
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_varlen_early_lse_d_compiles(causal, tmp_path, monkeypatch):
     """Early LSE / D reads in the varlen d=128 kernel: off by default (backward._compile_main),
@@ -635,6 +654,25 @@ def test_batched_tile_m128_overrides(monkeypatch):
         **backward.BATCHED_TILE_M128, "pdl": True}
     monkeypatch.setenv(backward.CONFIG_ENV, "dq_split=m")
     assert backward.batched_overrides(64) is None
+
+
+def test_batched_talt_overrides(monkeypatch):
+    """d=128: the 80-row "talt" tile for non-causal calls with >= BWD_TALT_MIN_SEQLEN_Q
+    queries and one CTA per tile, unless the caller or FLASH_CUTE_BWD_CONFIG picks the tile."""
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    long_q = backward.BWD_TALT_MIN_SEQLEN_Q
+    assert backward.batched_overrides(128, None, False, long_q) == backward.BATCHED_TALT
+    cfg = backward.bwd_config(128, backward.BATCHED_TALT, False)
+    assert (cfg.tile_m, cfg.dq_split, cfg.stagger, cfg.dq_swizzle) == (80, "talt", True, True)
+    for causal, sq, pers in ((True, long_q, False), (False, long_q - 1, False),
+                             (False, long_q, True)):
+        assert backward.batched_overrides(128, None, causal, sq, pers) is None
+    assert backward.batched_overrides(128, {"pdl": True}, False, long_q) == {
+        **backward.BATCHED_TALT, "pdl": True}
+    assert backward.batched_overrides(128, {"tile_m": 64}, False, long_q) == {"tile_m": 64}
+    assert backward.batched_overrides(96, None, False, long_q) is None
+    monkeypatch.setenv(backward.CONFIG_ENV, "tile_m=64")
+    assert backward.batched_overrides(128, None, False, long_q) is None
 
 
 def test_bwd_stagger_sass(tmp_path, monkeypatch):

@@ -335,6 +335,24 @@ def test_grads_wide_gqa_long(d, causal):
     check_grads(*qkv_inputs(1, 1023, 1024, 4, 1, d, seed=d + 3), (0, 1, 2), causal=causal)
 
 
+@pytest.mark.parametrize("hk", [4, 2])
+def test_grads_talt_long(hk):
+    """d=128 non-causal calls with >= backward.BWD_TALT_MIN_SEQLEN_Q queries take the 80-row
+    "talt" tile (swizzled dQ accumulator): a ragged query tail, more keys than queries, GQA;
+    deterministic=True bit-identical over two runs."""
+    sq = backward.BWD_TALT_MIN_SEQLEN_Q + 52
+    q, k, v = qkv_inputs(1, sq, sq + 100, 4, hk, 128, seed=hk + 40)
+    check_grads(q, k, v, (0, 1, 2))
+    dout = rand(*q.shape, seed=6)
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, deterministic=True)
+        runs.append(torch.autograd.grad(out, leaves, dout))
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(a, b), f"{name} differs between deterministic runs"
+
+
 @pytest.mark.parametrize("d,causal,hk", [(128, False, 4), (128, True, 2), (64, True, 4),
                                           (96, False, 1), (192, False, 4), (256, True, 2)])
 def test_grads_deterministic(d, causal, hk):
@@ -727,14 +745,14 @@ def test_varlen_grads_random_lengths(data):
 def test_varlen_grads_match_batched_per_sequence(d, causal, monkeypatch):
     """Each sequence alone through flash_attn_func: same tiles, same query-block order, and
     with deterministic=True the same dQ addition order, so the same gradients (to one
-    rounding; bitwise expected). d=64: the batched default takes 128-row tiles
+    rounding; bitwise expected). d=64 / 128: the batched default takes 128- / 80-row tiles
     (backward.batched_overrides), varlen 64, so the batched runs are pinned to varlen's."""
     lens_q, lens_k = [1500, 0, 1, 130, 64, 700, 3], [1500, 5, 0, 260, 64, 1, 129]
     q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, 4, 2, d, seed=d + 1)
     dout = rand(*q.shape, seed=d + 2)
     got = varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, causal=causal,
                        deterministic=True)
-    if d == 64:
+    if d in (64, 128):  # pin the batched tile choice (batched_overrides) to varlen's
         monkeypatch.setenv(backward.CONFIG_ENV,
                            f"tile_m={backward.bwd_config(d).tile_m}")
     cq, ck = cu_q.tolist(), cu_k.tolist()
