@@ -106,6 +106,9 @@ if "--d" in ARGS:  # --d 192,256
 SHORT = "--short" in ARGS
 if SHORT:
     ARGS.remove("--short")
+NC128 = "--nc128" in ARGS  # d=128 non-causal over seqlen: where "talt" starts to pay
+if NC128:
+    ARGS.remove("--nc128")
 BOTH = "--also-short" in ARGS  # the long shapes, then the short ones, in one process
 if BOTH:
     ARGS.remove("--also-short")
@@ -120,9 +123,6 @@ SHAPES = [(128, 16384, False), (128, 4096, False), (128, 16384, True), (64, 4096
 # launches and the main kernel's prologue weigh most ("pdl").
 SHORT_SHAPES = [(64, 512, False), (64, 512, True), (128, 512, False), (128, 1024, True),
                 (256, 512, False), (256, 1024, True)]
-NC128 = "--nc128" in ARGS  # d=128 non-causal over seqlen: where "talt" starts to pay
-if NC128:
-    ARGS.remove("--nc128")
 if NC128:
     SHAPES = [(128, s, False) for s in (1024, 2048, 4096, 8192, 16384)]
 elif SHORT:

@@ -370,7 +370,7 @@ BATCHED_TILE_M128 = {"tile_m": 128, "dq_split": "alt"}
 # H200, session 9 (bench/exp_bwd.py --d 128 default talt), TFLOP/s 64 rows / 80 rows:
 # s=16k 564 / 576, s=4k 532 / 535, s=512 282 / 276 (docs/performance.md, session 9).
 BATCHED_TALT = {"tile_m": BWD_TILE_M80, "dq_split": "talt"}
-BWD_TALT_MIN_SEQLEN_Q = 2048
+BWD_TALT_MIN_SEQLEN_Q = 1024
 
 
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
