@@ -6,6 +6,7 @@
     python bench/exp_bwd.py --d 256 default wide_old wide_early_do wide_turns
     python bench/exp_bwd.py --short default pdl     # short sequences (SHORT_SHAPES)
     python bench/exp_bwd.py --nc128 tm64 talt_lse   # d=128 non-causal, s = 1k .. 16k
+    python bench/exp_bwd.py --c128 tm64 talt_lse    # the same, causal
 A variant is a BwdSm90Config override of the main kernel (or deterministic=True), passed to
 backward.bwd as cfg_overrides: preprocess, postprocess and the host allocations follow its
 tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m").
@@ -109,6 +110,9 @@ if SHORT:
 NC128 = "--nc128" in ARGS  # d=128 non-causal over seqlen: where "talt" starts to pay
 if NC128:
     ARGS.remove("--nc128")
+C128 = "--c128" in ARGS  # the same, causal
+if C128:
+    ARGS.remove("--c128")
 BOTH = "--also-short" in ARGS  # the long shapes, then the short ones, in one process
 if BOTH:
     ARGS.remove("--also-short")
@@ -123,8 +127,8 @@ SHAPES = [(128, 16384, False), (128, 4096, False), (128, 16384, True), (64, 4096
 # launches and the main kernel's prologue weigh most ("pdl").
 SHORT_SHAPES = [(64, 512, False), (64, 512, True), (128, 512, False), (128, 1024, True),
                 (256, 512, False), (256, 1024, True)]
-if NC128:
-    SHAPES = [(128, s, False) for s in (1024, 2048, 4096, 8192, 16384)]
+if NC128 or C128:
+    SHAPES = [(128, s, C128) for s in (1024, 2048, 4096, 8192, 16384)]
 elif SHORT:
     SHAPES = SHORT_SHAPES
 elif BOTH:

@@ -375,8 +375,9 @@ class BwdSm90Config:
         return self.head_dim // 2 if self.dq_split in ("n", "t") else self.head_dim
 
     def check_causal(self, causal: bool):
-        """ValueError for a config the causal kernel does not take: tile_m = 80 is non-causal
-        only (FA3/FA4 use 64 for causal d=128)."""
-        if causal and self.tile_m == BWD_TILE_M80 and not self.wide:
-            raise ValueError(f"tile_m={BWD_TILE_M80} (dq_split='t') is non-causal only; causal "
-                             f"uses tile_m 64")
+        """ValueError for a config the causal kernel does not take: tile_m = 80 with the
+        lockstep "t" split is non-causal only (FA3/FA4 use 64 for causal d=128); "talt" is
+        an experiment there."""
+        if causal and self.dq_split == "t" and not self.wide:
+            raise ValueError(f"tile_m={BWD_TILE_M80} with dq_split='t' is non-causal only; "
+                             f"causal uses tile_m 64 or 'talt'")
