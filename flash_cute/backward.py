@@ -365,24 +365,26 @@ def _parse_env_config(spec: str) -> tuple:
 # bench/varlen_workload.py --d 64 --bwd-configs "" tile_m=128,dq_split=alt: 1194 / 1190 us),
 # and 64-row padding allocates less.
 BATCHED_TILE_M128 = {"tile_m": 128, "dq_split": "alt"}
-# The batched d=128 non-causal backward with >= BWD_TALT_MIN_SEQLEN_Q queries takes FA3/FA4's
-# 80-row tile, its dQ^T computed by one warpgroup in turn (dq_split "talt", staggered).
-# H200, session 9 (bench/exp_bwd.py --d 128 default talt), TFLOP/s 64 rows / 80 rows:
-# s=16k 564 / 576, s=4k 532 / 535, s=512 282 / 276 (docs/performance.md, session 9).
+# The batched d=128 backward of long calls takes FA3/FA4's 80-row non-causal tile, its dQ^T
+# computed by one warpgroup in turn (dq_split "talt", staggered). H200, session 9 (bench/
+# exp_bwd.py --nc128 / --c128 tm64 talt_lse), TFLOP/s 64 rows / 80 rows: non-causal s=1k 411 /
+# 423, 4k 528 / 542, 16k 564 / 587 (s=512 within +-2%); causal 1k 297 / 288, 4k 489 / 462, 8k
+# 525 / 530, 16k 548 / 567 (more masked rows per diagonal block), hence two thresholds.
 BATCHED_TALT = {"tile_m": BWD_TILE_M80, "dq_split": "talt"}
 BWD_TALT_MIN_SEQLEN_Q = 1024
+BWD_TALT_CAUSAL_MIN_SEQLEN_Q = 16384
 
 
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
                       persistent: bool = False):
     """The batched backward's config overrides: BATCHED_TILE_M128 at d=64, BATCHED_TALT at
-    d=128 for long non-causal calls (one CTA per tile), unless the caller or
-    FLASH_CUTE_BWD_CONFIG chooses the tile. A per-call choice among cached kernels: no length
-    in any compile key."""
+    d=128 for long calls (one CTA per tile), unless the caller or FLASH_CUTE_BWD_CONFIG
+    chooses the tile. A per-call choice among cached kernels: no length in any compile key."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
     if d == 64 and not chosen & set(BATCHED_TILE_M128):
         return {**BATCHED_TILE_M128, **(cfg_overrides or {})}
-    if (d == 128 and not causal and not persistent and seqlen_q >= BWD_TALT_MIN_SEQLEN_Q
+    talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
+    if (d == 128 and not persistent and seqlen_q >= talt_min
             and not chosen & set(BATCHED_TALT)):
         return {**BATCHED_TALT, **(cfg_overrides or {})}
     return cfg_overrides

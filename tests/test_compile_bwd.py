@@ -101,10 +101,10 @@ def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, per
     check_main_sass(sass_opcodes(cubin, tmp_path))
 
 
-# The batched d=128 non-causal kernel of long calls as shipped (backward.BATCHED_TALT: 80-row
-# tile, dQ^T by one warpgroup in turn, staggered): both dtypes, GQA, deterministic.
-TALT_128 = [(dt, 128, False, g, det) for dt in ("BFloat16", "Float16") for g in (False, True)
-            for det in (False, True)]
+# The batched d=128 kernel of long calls as shipped (backward.BATCHED_TALT: 80-row tile, dQ^T
+# by one warpgroup in turn, staggered): both dtypes, causal or not, GQA, deterministic.
+TALT_128 = [(dt, 128, c, g, det) for dt in ("BFloat16", "Float16") for c in (False, True)
+            for g in (False, True) for det in (False, True)]
 
 
 @pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", TALT_128, ids=lambda v: str(v))
@@ -112,7 +112,7 @@ def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tm
                                         monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    ov = backward.batched_overrides(d, None, causal, backward.BWD_TALT_MIN_SEQLEN_Q)
+    ov = backward.batched_overrides(d, None, causal, backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q)
     assert ov == backward.BATCHED_TALT
     ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, **ov),
                        tmp_path)
@@ -657,14 +657,17 @@ def test_batched_tile_m128_overrides(monkeypatch):
 
 
 def test_batched_talt_overrides(monkeypatch):
-    """d=128: the 80-row "talt" tile for non-causal calls with >= BWD_TALT_MIN_SEQLEN_Q
-    queries and one CTA per tile, unless the caller or FLASH_CUTE_BWD_CONFIG picks the tile."""
+    """d=128: the 80-row "talt" tile for calls with >= BWD_TALT_MIN_SEQLEN_Q queries
+    (causal: BWD_TALT_CAUSAL_MIN_SEQLEN_Q) and one CTA per tile, unless the caller or
+    FLASH_CUTE_BWD_CONFIG picks the tile."""
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
     long_q = backward.BWD_TALT_MIN_SEQLEN_Q
     assert backward.batched_overrides(128, None, False, long_q) == backward.BATCHED_TALT
     cfg = backward.bwd_config(128, backward.BATCHED_TALT, False)
     assert (cfg.tile_m, cfg.dq_split, cfg.stagger, cfg.dq_swizzle) == (80, "talt", True, True)
-    for causal, sq, pers in ((True, long_q, False), (False, long_q - 1, False),
+    long_c = backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q
+    assert backward.batched_overrides(128, None, True, long_c) == backward.BATCHED_TALT
+    for causal, sq, pers in ((True, long_c - 1, False), (False, long_q - 1, False),
                              (False, long_q, True)):
         assert backward.batched_overrides(128, None, causal, sq, pers) is None
     assert backward.batched_overrides(128, {"pdl": True}, False, long_q) == {

@@ -335,19 +335,23 @@ def test_grads_wide_gqa_long(d, causal):
     check_grads(*qkv_inputs(1, 1023, 1024, 4, 1, d, seed=d + 3), (0, 1, 2), causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("hk", [4, 2])
-def test_grads_talt_long(hk):
-    """d=128 non-causal calls with >= backward.BWD_TALT_MIN_SEQLEN_Q queries take the 80-row
-    "talt" tile (swizzled dQ accumulator): a ragged query tail, more keys than queries, GQA;
-    deterministic=True bit-identical over two runs."""
+def test_grads_talt_long(hk, causal, monkeypatch):
+    """d=128 calls with >= backward.BWD_TALT_MIN_SEQLEN_Q queries (causal: the causal
+    threshold, lowered here to keep the oracle small) take the 80-row "talt" tile (swizzled
+    dQ accumulator): a ragged query tail, more keys than queries, GQA; deterministic=True
+    bit-identical over two runs."""
+    monkeypatch.setattr(backward, "BWD_TALT_CAUSAL_MIN_SEQLEN_Q", backward.BWD_TALT_MIN_SEQLEN_Q)
     sq = backward.BWD_TALT_MIN_SEQLEN_Q + 52
+    assert backward.batched_overrides(128, None, causal, sq) == backward.BATCHED_TALT
     q, k, v = qkv_inputs(1, sq, sq + 100, 4, hk, 128, seed=hk + 40)
-    check_grads(q, k, v, (0, 1, 2))
+    check_grads(q, k, v, (0, 1, 2), causal=causal)
     dout = rand(*q.shape, seed=6)
     runs = []
     for _ in range(2):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = flash_attn_func(*leaves, deterministic=True)
+        out = flash_attn_func(*leaves, causal=causal, deterministic=True)
         runs.append(torch.autograd.grad(out, leaves, dout))
     for name, a, b in zip(("dq", "dk", "dv"), *runs):
         assert torch.equal(a, b), f"{name} differs between deterministic runs"
