@@ -51,9 +51,10 @@ length, batch or head count; TVM-FFI entry points take torch tensors and launch 
 current stream.
 
 Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with
-sq_pad = sq rounded up to tile_m (64; 128 with the opt-in {"tile_m": 128, "dq_split": "m"}
-at d=64; 80 with {"tile_m": 80, "dq_split": "t"} at d=128 non-causal, whose dQaccum rows are
-unpadded: cfg.dq_row) (varlen: (h, rows, ...) with rows = (total_q // tile_m + b) * tile_m);
+sq_pad = sq rounded up to tile_m (64; 128 for the batched d=64 kernel; 80 for the batched
+d=128 kernel of long calls, BATCHED_TALT, whose dQaccum rows are unpadded (cfg.dq_row) and
+hold each row's 8-float groups permuted (cfg.dq_swizzle, undone by bwd_post)) (varlen: (h,
+rows, ...) with rows = (total_q // tile_m + b) * tile_m);
 with GQA also fp32 dK, dV per query head (b, sk, h, d) (varlen: (total_k, h, d)).
 """
 from __future__ import annotations
