@@ -362,8 +362,9 @@ class BwdSm90Config:
         if self.stagger and (not self.dq_turns or self.wide or self.persistent or
                              self.dq_first):
             raise ValueError(f"stagger: dq_split 'alt' / 'talt' without dq_first, the wide "
-                             f"layout or the persistent kernel; got dq_split {self.dq_split!r}, dq_first "
-                             f"{self.dq_first}, wide {self.wide}, persistent {self.persistent}")
+                             f"layout or the persistent kernel; got dq_split "
+                             f"{self.dq_split!r}, dq_first {self.dq_first}, wide {self.wide}, "
+                             f"persistent {self.persistent}")
         if (self.do_stages or self.dq_per_turn) and not self.wide:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
 
