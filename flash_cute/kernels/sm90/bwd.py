@@ -554,26 +554,25 @@ class FlashBwdSm90:
         tdKrdK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, d)), Float32)
 
         chunk = self.cfg.dq_chunk
-        if const_expr(self.cfg.dq_split == "alt"):
-            # The whole dQ tile = dS K over all tile_n keys, by one warpgroup (alternating per
-            # query block), d in chunks; tdQrdS keeps sdS's buffer mode.
+        if const_expr(self.cfg.dq_turns):
+            # The whole dQ tile by one warpgroup (alternating per query block) in chunks of d,
+            # dQ = dS K[:, chunk] ("alt") or, transposed, dQ^T[chunk] = K^T[chunk] dS^T
+            # ("talt", stored transposed into sdQ's (query, d) rows); tdQrdS keeps sdS's
+            # buffer mode.
             thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
-            tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
-            tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(
-                cute.local_tile(transpose_mn(sK), (chunk, tn), (c, 0)))) for c in range(d // chunk)]
-            tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
-            tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ, (tm, chunk), (0, c)))
-                      for c in range(d // chunk)]
-        elif const_expr(self.cfg.dq_split == "talt"):
-            # "alt" transposed: dQ^T chunks of `chunk` rows of d = K^T[chunk] dS^T, by one
-            # warpgroup in turn; stored transposed into sdQ's (query, d) rows as "t".
-            thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
-            tdQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sdS)))
-            tdQrK = [mma_dq.make_fragment_A(thr_dq.partition_A(
-                cute.local_tile(transpose_mn(sK), (chunk, tn), (c, 0)))) for c in range(d // chunk)]
-            tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
-            tdQsdQ = [thr_dq.partition_C(cute.local_tile(transpose_mn(sdQ), (chunk, tm), (c, 0)))
-                      for c in range(d // chunk)]
+            kt = [cute.local_tile(transpose_mn(sK), (chunk, tn), (c, 0)) for c in range(d // chunk)]
+            if const_expr(self.cfg.dq_transposed):  # d along the wgmma M
+                tdQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sdS)))
+                tdQrK = [mma_dq.make_fragment_A(thr_dq.partition_A(x)) for x in kt]
+                tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
+                tdQsdQ = [thr_dq.partition_C(cute.local_tile(transpose_mn(sdQ), (chunk, tm),
+                                                             (c, 0))) for c in range(d // chunk)]
+            else:
+                tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
+                tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(x)) for x in kt]
+                tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
+                tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ, (tm, chunk), (0, c)))
+                          for c in range(d // chunk)]
         elif const_expr(self.cfg.dq_split == "t"):
             # This warpgroup's 64 rows (of d) of dQ^T = K^T dS^T over all tile_n keys; the
             # accumulator (d, queries) is stored transposed into sdQ's (query, d) rows, so the
