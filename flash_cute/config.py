@@ -161,10 +161,11 @@ BWD_LOCKSTEP_128 = {"dq_split": "n", "dq_first": True, "stagger": False, "early_
 # tile_m = 128 doubles S^T / dP^T (64 fp32 registers each per thread): with dK + dV
 # (2 * 64 * d / 128) that fits the 240 registers only at d = 64.
 BWD_TILE_M128_HEAD_DIMS = (64,)
-# tile_m = 80 (opt-in, FA3/FA4's non-causal d=128 tile): S^T / dP^T wgmma with N = 80, 25% more
-# work per block's fixed costs than 64. 80 rows are not a multiple of the wgmma M (64), so the
-# dQ tile is computed transposed (dq_split="t": dQ^T = K^T dS^T, M = d split over the two
-# warpgroups, N = 80 queries). Causal keeps 64 (as FA3/FA4 do).
+# tile_m = 80 (FA3/FA4's non-causal d=128 tile): S^T / dP^T wgmma with N = 80, 25% more work
+# per block's fixed costs than 64. 80 rows are not a multiple of the wgmma M (64), so the dQ
+# tile is computed transposed (dQ^T = K^T dS^T, d along M): by one warpgroup in turn
+# (dq_split="talt", the batched default of long calls: backward.BATCHED_TALT) or split over
+# both in lockstep ("t", opt-in, non-causal only).
 BWD_TILE_M80 = 80
 BWD_TILE_M80_HEAD_DIMS = (128,)
 
@@ -328,9 +329,9 @@ class BwdSm90Config:
                              f"transposed dQ tile) and only with them; got tile_m "
                              f"{self.tile_m}, dq_split {self.dq_split!r}")
         if self.dq_transposed and (self.wide or self.head_dim not in BWD_TILE_M80_HEAD_DIMS):
-            raise ValueError(f"dq_split='t' (tile_m {BWD_TILE_M80}): narrow kernel at head_dim in "
-                             f"{BWD_TILE_M80_HEAD_DIMS} only, got head_dim {self.head_dim}, "
-                             f"wide {self.wide}")
+            raise ValueError(f"dq_split 't' / 'talt' (tile_m {BWD_TILE_M80}): narrow kernel at "
+                             f"head_dim in {BWD_TILE_M80_HEAD_DIMS} only, got head_dim "
+                             f"{self.head_dim}, wide {self.wide}")
         if self.dq_split == "m" and (self.wide or self.tile_m != 64 * BWD_MMA_WG):
             raise ValueError(f"dq_split='m' needs tile_m == {64 * BWD_MMA_WG} (64 query rows "
                              f"per mma warpgroup) and the narrow kernel, got tile_m "
@@ -377,8 +378,8 @@ class BwdSm90Config:
 
     def check_causal(self, causal: bool):
         """ValueError for a config the causal kernel does not take: tile_m = 80 with the
-        lockstep "t" split is non-causal only (FA3/FA4 use 64 for causal d=128); "talt" is
-        an experiment there."""
+        lockstep "t" split is non-causal only (FA3/FA4 use 64 for causal d=128); "talt"
+        takes both (shipped for causal calls from backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q)."""
         if causal and self.dq_split == "t" and not self.wide:
             raise ValueError(f"tile_m={BWD_TILE_M80} with dq_split='t' is non-causal only; "
                              f"causal uses tile_m 64 or 'talt'")

@@ -138,11 +138,11 @@ DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ turn + the dQ warp
 DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
 STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
-# dq_split "t": a warp's transposed dQ^T store writes 8 d-columns x 4 query rows 2 apart; with
-# 128-float rows these share banks (4-way). XOR-ing d's bits 3-4 with the query's bits 1-2
-# (element offset bits 8-9 into 3-4) spreads them over 32 banks. A layout swizzle (on the
-# offset in sdQ), not a pointer one (on the address: would need sdQ 4 KB-aligned). dQaccum
-# holds the same order (the bulk reduce copies bytes); bwd_post undoes it
+# dq_split "t" / "talt": a warp's transposed dQ^T store writes 8 d-columns x 4 query rows 2
+# apart; with 128-float rows these share banks (4-way). XOR-ing d's bits 3-4 with the query's
+# bits 1-2 (element offset bits 8-9 into 3-4) spreads them over 32 banks. A layout swizzle (on
+# the offset in sdQ), not a pointer one (on the address: would need sdQ 4 KB-aligned).
+# dQaccum holds the same order (the bulk reduce copies bytes); bwd_post undoes it
 # (BwdSm90Config.dq_swizzle).
 DQT_SWIZZLE = (2, 3, 5)
 AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself (to_16bit)
