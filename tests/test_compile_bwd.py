@@ -294,6 +294,19 @@ def test_bwd_wide_hgmma_count(d, tmp_path, monkeypatch):
     assert ops["WARPGROUP.ARRIVE"] == 2 * (4 + turns), ops["WARPGROUP.ARRIVE"]
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bwd_wide_dq_turns_reduce_uniform(deterministic, tmp_path, monkeypatch):
+    """d=256 hands dQ over per turn, row by row (cfg.dq_per_turn): the rows' bulk reduce-adds
+    come from lane 0 with uniform addresses, tile_m straight-line UBLKRED per turn. Spread
+    over the lanes they became a 32-step ELECT / R2UR loop per row pair (4 UBLKRED in the
+    SASS), which cost 16-24% of the d=256 backward on the H200 (docs/performance.md)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = BwdSm90Config.for_head_dim(256)
+    assert cfg.dq_per_turn
+    ops = sass_opcodes(main_cubin("BFloat16", 256, False, False, deterministic), tmp_path)
+    assert ops["UBLKRED"] == cfg.tile_m * 256 // cfg.sdq_cols, ops["UBLKRED"]
+
+
 # The wide kernel's d=256 layouts side by side (bench/exp_bwd.py times them): the one before
 # the prefetch (one Q/dO stage, whole dQ tile), its early dO release alone, and the per-turn
 # dQ staging alone.

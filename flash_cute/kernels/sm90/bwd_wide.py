@@ -51,12 +51,15 @@ with a whole sdQ tile (one 1-D bulk reduce-add of the padded tile) and per turn 
 cfg.dq_per_turn: the dQ warp arrives on DQ_EMPTY once before the tile's first block and after
 every turn but the tile's last, waits on DQ_FULL once per turn; the mma warpgroups wait on
 DQ_EMPTY and arrive on DQ_FULL once per turn. A turn's columns of dQaccum are 2 * dq_chunk
-fp32 of each row (512 bytes at d=256, rows d + DQ_ROW_PAD apart), so each lane of the dQ warp
-adds tile_m / 32 whole rows with its own 1-D bulk reduce-adds and bulk group, waits for
-their read of sdQ, then the warp arrives. Deterministic: lane 0 waits for the query block's
-semaphore before turn 0 (the warp then syncs and fences the async proxy), every lane waits for
-its adds of the last turn to land, and after a warp sync lane 0 signals. Varlen: the rows are
-the sequence's own padded rows (common/seqlen.py), as for the whole-tile reduce.
+fp32 of each row (512 bytes at d=256, rows d + DQ_ROW_PAD apart), so lane 0 of the dQ warp
+adds the turn row by row, tile_m 1-D bulk reduce-adds in one bulk group, waits for their read
+of sdQ, then the warp arrives. (One lane with uniform addresses: spread over the lanes, each
+lane's address had to be moved into uniform registers one lane at a time, a 32-step loop per
+row pair that left the mma warpgroups waiting at turn 1's DQ_EMPTY; docs/performance.md
+session 10.) Deterministic: lane 0 waits for the query block's semaphore before turn 0 (the
+warp then syncs and fences the async proxy) and for its adds of the last turn to land, then
+signals. Varlen: the rows are the sequence's own padded rows (common/seqlen.py), as for the
+whole-tile reduce.
 
 Pipelines: pipe_kv, pipe_q as bwd.py's (8 consumer-warp arrives release a stage; 1 producer
 arrive + TMA bytes fill it). pipe_do: ``stages`` stages in lockstep with pipe_q (one state) by
@@ -114,7 +117,6 @@ from .wgmma import gemm, make_smem_layout
 KEYS = 64                        # the key block both warpgroups share: one wgmma M
 P_BUF, DS_BUF = 0, 1             # buffers of the (64, 64, 2) sP/sdS tile the base kernel allocates
 MMA_THREADS = NUM_MMA_WG * WG_THREADS
-LANES = 32                       # the dQ warp: per turn, each lane reduces tile_m / 32 rows
 
 
 class FlashBwdWideSm90(FlashBwdSm90):
@@ -134,8 +136,6 @@ class FlashBwdWideSm90(FlashBwdSm90):
         if cfg.do_stages > cfg.stages:
             # sD and the dO mbarriers are allocated per Q stage (bwd.py's SharedStorage).
             raise ValueError(f"do_stages {cfg.do_stages} must not exceed stages {cfg.stages}")
-        if cfg.dq_per_turn and cfg.tile_m % LANES != 0:
-            raise ValueError(f"dq_per_turn needs tile_m % {LANES} == 0, got {cfg.tile_m}")
         self.deterministic = deterministic
         self.persistent = False
         self.varlen = varlen
@@ -331,7 +331,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, tiles):
-        """bwd.py's dQ warp; per turn every lane has bulk groups of its own to finish."""
+        """bwd.py's dQ warp; per turn lane 0's last bulk group is finished here."""
         if const_expr(not self.cfg.dq_per_turn):
             FlashBwdSm90.dq_reduce(self, mdQaccum, mSem, sdQ, tiles)
         else:
@@ -344,10 +344,11 @@ class FlashBwdWideSm90(FlashBwdSm90):
         """bwd.py's dQ hand-off (its docstring: arrive counts, deterministic order), per turn
         with cfg.dq_per_turn: DQ_EMPTY / DQ_FULL once per turn, one of each per turn of every
         block but no EMPTY arrive after the tile's last turn. The turn's columns of a dQaccum
-        row are contiguous but the rows are not (dQaccum rows hold all of d), so each lane
-        reduces whole rows (512 bytes at d=256), tm / 32 of them, with its own bulk group.
-        Deterministic: lane 0 waits for the semaphore before the block's first turn and
-        signals it after the last turn's adds of every lane have landed."""
+        row are contiguous but the rows are not (dQaccum rows hold all of d), so lane 0
+        reduces the turn row by row (512 bytes each at d=256): uniform addresses, so the tm
+        bulk reduce-adds issue back to back (module docstring). Deterministic: lane 0 waits
+        for the semaphore before the block's first turn and signals it after the last turn's
+        adds have landed."""
         if const_expr(not self.cfg.dq_per_turn):
             return FlashBwdSm90.dq_tile(self, mdQaccum, mSem, sdQ, lane, tile, carry)
         tm, d, cols = self.tile_m, self.d, self.cfg.sdq_cols
@@ -372,16 +373,16 @@ class FlashBwdWideSm90(FlashBwdSm90):
                             pass
                     cute.arch.sync_warp()  # every lane's adds after lane 0's acquire
                     cute.arch.fence_proxy("async.global")
-                for i in cutlass.range_constexpr(tm // LANES):
-                    row = lane + i * LANES
-                    bulk_reduce_add_f32(gdQ.iterator + cute.crd2idx((row, t * cols), gdQ.layout),
-                                        sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout),
-                                        cols * 4)
+                if lane == 0:
+                    for row in cutlass.range_constexpr(tm):
+                        bulk_reduce_add_f32(
+                            gdQ.iterator + cute.crd2idx((row, t * cols), gdQ.layout),
+                            sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout), cols * 4)
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.deterministic and t == turns - 1):
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # this lane's adds landed
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # lane 0's adds landed
                     cute.arch.fence_proxy("async.global")
-                    cute.arch.sync_warp()  # ... and every other lane's
+                    cute.arch.sync_warp()
                     if lane == 0:
                         cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
                 else:
