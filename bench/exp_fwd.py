@@ -15,58 +15,73 @@ import torch
 
 from check_fwd import timeit
 from flash_cute import dispatch
-from flash_cute.config import heads_per_section, persistent_fwd_overrides
+from flash_cute.config import (OWN_O, OWN_O_HEAD_DIMS, fwd_overrides, fwd_own_o,
+                               heads_per_section, persistent_fwd_overrides)
 from flash_cute.reference import attention_ref, check_close
 
 VARIANTS = {
-    "base": lambda d, causal: {},
-    "packed_p": lambda d, causal: {"packed_p_cvt": True},
-    "3wg_192x128_packed": lambda d, causal: (
+    "base": lambda d, causal, s: {},
+    "packed_p": lambda d, causal, s: {"packed_p_cvt": True},
+    "3wg_192x128_packed": lambda d, causal, s: (
         {"num_consumer_wg": 3, "packed_p_cvt": True} if d == 64 else None),
     # One CTA per SM walking the tiles; the shipped P conversion where that compiles clean, else
     # the packed one (compare with packed_p there; config.persistent_fwd_overrides).
-    "persistent": persistent_fwd_overrides,
+    "persistent": lambda d, causal, s: persistent_fwd_overrides(d, causal),
     # The same with the dynamic tile order (an atomic tile counter; a zeroed counter per call
     # is part of the timed work, as in dispatch.fwd).
-    "persistent_dyn": lambda d, causal: persistent_fwd_overrides(d, causal, dynamic=True),
+    "persistent_dyn": lambda d, causal, s: persistent_fwd_overrides(d, causal, dynamic=True),
     # Warpgroup ping-pong (one tile per CTA, two consumer warpgroups: not d=64), as FA4 runs
     # it: its S and PV GEMMs issue in turns, so the two softmaxes do not meet on the SFU
     # (session 5's backward lesson; our forward waits 6% of its samples on the PV wgmma before
     # the exp2 under ncu, FA4's 0.1%). Session 6: +2% / +7% at d=128 / 256 causal s=16k.
-    "pingpong": lambda d, causal: {"pingpong": True} if d != 64 else None,
-    "pingpong_packed": lambda d, causal: (
+    "pingpong": lambda d, causal, s: {"pingpong": True} if d != 64 else None,
+    "pingpong_packed": lambda d, causal, s: (
         {"pingpong": True, "packed_p_cvt": True} if d != 64 else None),
     # The persistent walk the dispatcher ships past one wave (dynamic when causal), and the
     # same with ping-pong (session 6: the turns now carry over from tile to tile).
-    "persistent_ship": lambda d, causal: persistent_fwd_overrides(d, causal, dynamic=causal),
-    "pingpong_persistent": lambda d, causal: (
+    "persistent_ship": lambda d, causal, s: fwd_overrides(d, causal, True, causal,
+                                                          own_o=fwd_own_o(d, causal, s)),
+    "pingpong_persistent": lambda d, causal, s: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "pingpong": True}
         if d != 64 else None),
-    "pingpong_persistent_packed": lambda d, causal: (
+    "pingpong_persistent_packed": lambda d, causal, s: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "pingpong": True,
          "packed_p_cvt": True} if d != 64 else None),
     # FA3's d=128 non-causal key block: 176 keys (11 x 16), 2 stages: 32 + 2 x 2 x 44 = 208 KB of
     # shared memory; fewer, longer blocks (fewer O rescales, row reductions and barrier rounds
     # per key). Spill-free only with packed_p_cvt (plain: 154 spill stores).
-    "tn176": lambda d, causal: {"tile_n": 176, "packed_p_cvt": True} if d == 128 else None,
-    "tn176_pp": lambda d, causal: (
+    "tn176": lambda d, causal, s: {"tile_n": 176, "packed_p_cvt": True} if d == 128 else None,
+    "tn176_pp": lambda d, causal, s: (
         {"tile_n": 176, "packed_p_cvt": True, "pingpong": True} if d == 128 else None),
-    "tn176_persistent": lambda d, causal: (
+    "tn176_persistent": lambda d, causal, s: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "tile_n": 176,
          "packed_p_cvt": True} if d == 128 else None),
     # d=64 with two consumer warpgroups (128 x 128 tiles, 128 x 192 non-causal) instead of
     # three (192 x 128), under the shipped persistent walk: causal tiles of 128 rows cross
     # fewer diagonal key blocks (less masked work at s <= 1k).
-    "p2wg": lambda d, causal: (
+    "p2wg": lambda d, causal, s: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "num_consumer_wg": 2}
         if d == 64 else None),
-    "p2wg_n192": lambda d, causal: (
+    "p2wg_n192": lambda d, causal, s: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "num_consumer_wg": 2,
          "tile_n": 192} if d == 64 and not causal else None),
     # The persistent walk before session 8 at d=128 non-causal (128-key blocks).
-    "persistent_tn128": lambda d, causal: (
+    "persistent_tn128": lambda d, causal, s: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "tile_n": 128}
         if d == 128 else None),
+    # Session 10: O staged in a buffer of its own (cfg.own_o, config.OWN_O) against the walk
+    # before it (sO over sQ; d=128 non-causal with 176-key blocks), and a 160-key block with
+    # own_o at d=128 (224 KB of shared memory; 176 does not fit).
+    "alias_o": lambda d, causal, s: persistent_fwd_overrides(d, causal, dynamic=causal),
+    "own_o": lambda d, causal, s: (
+        {**persistent_fwd_overrides(d, causal, dynamic=causal), **OWN_O}
+        if d in OWN_O_HEAD_DIMS else None),
+    "own_o_tn160": lambda d, causal, s: (
+        {**persistent_fwd_overrides(d, causal, dynamic=causal), **OWN_O, "tile_n": 160,
+         "packed_p_cvt": True} if d == 128 else None),
+    "p2wg_own_o": lambda d, causal, s: (
+        {**persistent_fwd_overrides(d, causal, dynamic=causal), "num_consumer_wg": 2, **OWN_O}
+        if d == 64 else None),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),
@@ -77,6 +92,9 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
               (128, 1024, False), (128, 1024, True), (128, 2048, True), (256, 1024, True)],
     # Between: where config.narrow_fwd's d=64 causal threshold (1024, measured) should sit.
     "mid": [(64, 1536, True), (64, 2048, True), (64, 3072, True)],
+    # Session 10, own_o where the first run was mixed (d=64 s=4k) or absent (d=96).
+    "own_o": [(64, 4096, False), (64, 16384, False), (64, 4096, True), (96, 1024, False),
+              (96, 1024, True), (96, 4096, False), (96, 16384, True)],
 }
 ROUNDS = 5
 CHECK_CTAS = 7
@@ -108,7 +126,7 @@ for d, s, causal in [shape for name in args.shapes for shape in SHAPES[name]
     flops = 4 * b * s * s * h * d / (2 if causal else 1)
     fns = {}
     for name in args.variants:
-        kw = VARIANTS[name](d, causal)
+        kw = VARIANTS[name](d, causal, s)
         if kw is None:
             continue
         kw = dict(kw)

@@ -38,6 +38,20 @@ def check(d, causal, sq, sk, persistent="auto"):
     print(f"d={d} causal={causal} sq={sq} sk={sk} persistent={persistent}: ok", flush=True)
 
 
+def check_fwd(d, causal, sq, sk, persistent="auto"):
+    """Forward only: racecheck then sees no backward kernel (whose staggered dQ hand-off it
+    reports, docs/performance.md session 6)."""
+    os.environ["FLASH_CUTE_FWD_PERSISTENT"] = persistent
+    q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    ref, _ = attention_ref(q, k, v, causal=causal)
+    low, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    check_close(out, ref, low)
+    print(f"fwd d={d} causal={causal} sq={sq} sk={sk} persistent={persistent}: ok", flush=True)
+
+
 def check_varlen(d, causal, lens=(37, 0, 200, 129)):
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda",
                       dtype=torch.int32)
@@ -72,11 +86,16 @@ CASES = {
     # d=128 non-causal past backward.BWD_TALT_MIN_SEQLEN_Q: the 80-row "talt" backward tile
     "bwd128_talt": lambda: check(128, False, 2100, 2200),
     "fwd64c_narrow": lambda: check(64, True, 300, 517),  # two consumer warpgroups (narrow)
+    # The dynamic persistent forward with O in its own buffer (own_o), 5 CTAs: the O_FREE
+    # hand-off and the early Q release cross many tile boundaries.
+    "persistent64c_dyn": lambda: check(64, True, 900, 900, persistent="dyn:ctas=5"),
+    "fwd_own_o": lambda: (check_fwd(128, False, 900, 700, persistent="ctas=5"),
+                          check_fwd(64, True, 900, 900, persistent="dyn:ctas=5")),
     "varlen128c": lambda: check_varlen(128, True),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
-           "varlen128c")
+           "persistent64c_dyn", "varlen128c")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:

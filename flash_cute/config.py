@@ -34,12 +34,19 @@ class FwdSm90Config:
     # next tile of the longest-first order, as the hardware does for the one-tile-per-CTA grid.
     # Off: the static alternating walk. Causal uses it (persistent_fwd_walk): +2-8% on the H200.
     dynamic: bool = False
+    # Persistent only: O is staged in a buffer of its own instead of over sQ, so the consumers
+    # release Q right after a tile's last QK^T and the next tile's Q loads under its last P V
+    # and epilogue (aliased, Q waits for the O store to read sO: ncu put 10% of the d=128
+    # s=1k forward's stall samples on that Q wait). Costs tile_m * d * 2 bytes of smem.
+    own_o: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg != 2:
             raise ValueError("pingpong needs exactly 2 consumer warpgroups")
         if self.dynamic and not self.persistent:
             raise ValueError("dynamic is a persistent tile order: set persistent=True too")
+        if self.own_o and not self.persistent:
+            raise ValueError("own_o: persistent only (one tile per CTA never reloads Q)")
 
     @property
     def tile_m(self):
@@ -68,6 +75,24 @@ PACKED = {"packed_p_cvt": True}
 PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
                   (128, False): {**PACKED, "tile_n": 176}, (128, True): {},
                   (192, False): PACKED, (192, True): {}, (256, False): PACKED, (256, True): {}}
+
+# Session 10: the persistent forward stages O in a buffer of its own (FwdSm90Config.own_o)
+# where shared memory allows, d <= 128 with 128-key blocks (d=128 non-causal then gives up the
+# 176-key block: 208 + 32 KB does not fit). H200 (bench/exp_fwd.py --shapes short long own_o,
+# own_o vs alias_o): d=128 non-causal +11% s=512, +8% s=1k, +5% s=4k, +1% s=16k; causal +19%
+# s=1k, +5% s=2k, +1% s=16k; d=96 +2..+11%; d=64 causal +3% s=4k, the two-warpgroup tile +15%
+# at s=1k; d=64 non-causal +9% s=512, +5% s=1k but -1..-7% at s=4k / 16k (three warpgroups,
+# long tiles: the Q wait it removes is small there), so there only up to 1024 keys.
+OWN_O = {"own_o": True, "tile_n": 128}
+OWN_O_HEAD_DIMS = (64, 96, 128)
+OWN_O_D64_MAX_SEQLEN_K = 1024
+
+
+def fwd_own_o(d: int, causal: bool, seqlen_k: int) -> bool:
+    """Whether a persistent batched forward call takes OWN_O (chosen per call; compiled once)."""
+    if d not in OWN_O_HEAD_DIMS:
+        return False
+    return causal or d != 64 or seqlen_k <= OWN_O_D64_MAX_SEQLEN_K
 
 
 def persistent_fwd_overrides(d: int, causal: bool, dynamic: bool = False):
@@ -100,10 +125,12 @@ def fwd_tile_m(d: int, narrow: bool) -> int:
 
 
 def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool = False,
-                  narrow: bool = False):
-    """FwdSm90Config overrides of one compiled forward (dispatch.get_fwd_kernel's key)."""
+                  narrow: bool = False, own_o: bool = False):
+    """FwdSm90Config overrides of one compiled forward (dispatch.get_fwd_kernel's key); own_o
+    applies to the persistent kernel only."""
     base = persistent_fwd_overrides(d, causal, dynamic) if persistent else {}
-    return {**base, **(NARROW_FWD if narrow else {})}
+    return {**base, **(OWN_O if own_o and persistent else {}),
+            **(NARROW_FWD if narrow else {})}
 
 
 def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):

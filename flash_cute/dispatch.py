@@ -20,7 +20,8 @@ import time
 import torch
 
 from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, fwd_overrides, fwd_tile_m,
-                     heads_per_section, narrow_fwd, persistent_fwd_overrides, persistent_fwd_walk)
+                     fwd_own_o, heads_per_section, narrow_fwd, persistent_fwd_overrides,
+                     persistent_fwd_walk)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
@@ -137,14 +138,17 @@ def compile_kernel(fn, args, keep=False):
 
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
-                   persistent: bool = False, dynamic: bool = False, narrow: bool = False):
+                   persistent: bool = False, dynamic: bool = False, narrow: bool = False,
+                   own_o: bool = False):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
-    config.NARROW_FWD (d=64 causal, short queries)."""
+    config.NARROW_FWD (d=64 causal, short queries); own_o: config.OWN_O (persistent only)."""
+    own_o = own_o and persistent
     key = (("fwd", arch, dtype_name, d, causal, varlen) + (("persistent",) if persistent else ())
-           + (("dynamic",) if dynamic else ()) + (("narrow",) if narrow else ()))
+           + (("dynamic",) if dynamic else ()) + (("narrow",) if narrow else ())
+           + (("own_o",) if own_o else ()))
     with _cache_lock:
         if key not in _cache:
-            overrides = fwd_overrides(d, causal, persistent, dynamic, narrow)
+            overrides = fwd_overrides(d, causal, persistent, dynamic, narrow, own_o)
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, **overrides)
         return _cache[key]
 
@@ -239,7 +243,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     ctas, dynamic = _persistent_ctas(q.device, d, causal, sq, b * h,
                                      fwd_tile_m(d, narrow)) or (None, False)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
-                            persistent=ctas is not None, dynamic=dynamic, narrow=narrow)
+                            persistent=ctas is not None, dynamic=dynamic, narrow=narrow,
+                            own_o=fwd_own_o(d, causal, sk))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            heads_per_section(sk, d, q.element_size(), b * h), *NO_VARLEN, ctas,
            new_tile_counter(q.device) if dynamic else None)

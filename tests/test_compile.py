@@ -11,7 +11,8 @@ import pytest
 from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_opcodes
 
 from flash_cute import dispatch
-from flash_cute.config import PERSISTENT_FWD, fwd_overrides, persistent_fwd_overrides
+from flash_cute.config import (OWN_O_HEAD_DIMS, PERSISTENT_FWD, fwd_overrides,
+                               persistent_fwd_overrides)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,6 +33,12 @@ EXPERIMENTS = ([("BFloat16", 64, True, fwd_overrides(64, True, p, dyn, narrow=Tr
                   for d in (128, 256)]
                # Persistent forward (static walk: non-causal default) in the configs it runs with.
                + [("BFloat16", d, c, persistent_fwd_overrides(d, c)) for d, c in PERSISTENT_FWD]
+               # O in a buffer of its own (config.OWN_O, chosen per call at d <= 128), static
+               # and dynamic walks, and with the two-warpgroup d=64 causal tile.
+               + [("BFloat16", d, c, fwd_overrides(d, c, True, dyn, own_o=True))
+                  for d in OWN_O_HEAD_DIMS for c in (False, True) for dyn in (False, True)]
+               + [("Float16", 64, True, fwd_overrides(64, True, True, True, narrow=True,
+                                                      own_o=True))]
                # Its dynamic tile order (atomic tile counter: causal default).
                + [("BFloat16", d, c, persistent_fwd_overrides(d, c, dynamic=True))
                   for d, c in PERSISTENT_FWD]
@@ -87,6 +94,11 @@ def test_fwd_dynamic_ptxas_report(d, causal, tmp_path, monkeypatch):
 def test_dynamic_needs_persistent():
     with pytest.raises(ValueError, match="persistent"):
         dispatch._compile_fwd(ARCH, "BFloat16", 128, True, dynamic=True)
+
+
+def test_own_o_needs_persistent():
+    with pytest.raises(ValueError, match="own_o"):
+        dispatch._compile_fwd(ARCH, "BFloat16", 128, False, own_o=True)
 
 
 @pytest.mark.parametrize("dtype,d,causal,varlen", dispatch.fwd_variants(varlen=True),

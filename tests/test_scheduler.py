@@ -107,6 +107,22 @@ def test_narrow_forward_choice():
     assert fwd_overrides(64, True) == {}
 
 
+def test_own_o_forward_choice():
+    """O in a buffer of its own (config.OWN_O) for persistent calls at d <= 128, d=64
+    non-causal only up to OWN_O_D64_MAX_SEQLEN_K keys; never for one tile per CTA."""
+    from flash_cute.config import OWN_O_D64_MAX_SEQLEN_K, fwd_overrides, fwd_own_o
+    n = OWN_O_D64_MAX_SEQLEN_K
+    assert fwd_own_o(64, False, n) and not fwd_own_o(64, False, n + 1)
+    assert fwd_own_o(64, True, 16384) and fwd_own_o(96, False, 16384)
+    assert fwd_own_o(128, False, 16384) and not fwd_own_o(256, True, 512)
+    assert fwd_overrides(128, False, persistent=True, own_o=True) == {
+        "persistent": True, "packed_p_cvt": True, "tile_n": 128, "own_o": True}
+    assert fwd_overrides(128, False, persistent=False, own_o=True) == {}
+    assert fwd_overrides(64, True, persistent=True, dynamic=True, narrow=True, own_o=True) == {
+        "persistent": True, "dynamic": True, "own_o": True, "tile_n": 128,
+        "num_consumer_wg": 2}
+
+
 @pytest.mark.parametrize("mode", ["yes", "dyn:1x", "dyn:", "dyn:dyn"])
 def test_persistent_forward_env_is_checked(monkeypatch, mode):
     import torch

@@ -27,8 +27,10 @@ keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = 
 Persistent (``cfg.persistent``, batched only; off by default): the grid is min(tiles, SMs),
 and the load warp and every consumer warp walk the same tile sequence (common/scheduler.py:
 first_tile / next_tile, L2 sections, longest first), each carrying its pipeline states from
-tile to tile. The next tile's first K block loads under this tile's epilogue; its Q waits until
-the O store has read sO, which aliases sQ.
+tile to tile. The next tile's first K block loads under this tile's epilogue. Its Q: with
+``cfg.own_o`` (config.fwd_own_o: d <= 128, per call) sO is a buffer of its own, the
+consumers release Q once the tile's last QK^T has completed, and the next Q loads under the
+last P V and the epilogue; otherwise sO aliases sQ and Q waits until the O store has read sO.
 
 Dynamic (``cfg.dynamic``, on top of persistent): a CTA's first tile is blockIdx.x; then the
 load warp claims each next tile from a global counter (scheduler.claim_tile: lane 0 does
@@ -50,7 +52,8 @@ Pipelines (cutlass.pipeline.PipelineTmaAsync: full barrier = 1 producer arrive +
 empty barrier = one arrive per consumer warp):
 
     pipe_q  load -> 4n consumer warps, 1 stage  (persistent: released by warp 4 alone, once its
-                                                 TMA store of O has read sO)
+                                                 TMA store of O has read sO; own_o: by every
+                                                 consumer warp after the last QK^T)
     pipe_k  load -> 4n consumer warps, kv_stages
     pipe_v  load -> 4n consumer warps, kv_stages  (separate from K so QK^T starts before V lands)
 
@@ -61,8 +64,10 @@ barrier = 1 arrive (load warp lane 0, after writing the slot), empty barrier = 1
     pipe_tile  load -> consumers, the claimed tile numbers (2 int32 slots)
 
 Named barriers: EPILOGUE (128n + 32) makes sO visible before warp 4 issues the TMA store
-(varlen: 128n, before the consumers read sO back); V_TAIL (128n, varlen) orders the zeroing of
-the last V block before any warpgroup's P V reads it;
+(varlen: 128n, before the consumers read sO back); O_FREE (128n + 32, own_o) keeps the next
+tile's sO writes behind the store's read (warp 4 arrives once up front and after each
+store); V_TAIL (128n, varlen) orders the zeroing of the last V block before any warpgroup's
+P V reads it;
 TURN_WG1/TURN_WG2 (256, n = 2 only, off by default) order the two warpgroups' GEMM issue
 (ping-pong: one warpgroup's softmax runs under the other's GEMMs; persistent too, the turns
 carrying over from tile to tile, see first_turn).
@@ -72,12 +77,13 @@ for S_next; mask and softmax it while P V runs; rescale O. Masks only on the fir
 (ragged key tail, causal) and on blocks crossing the causal diagonal.
 
 Shared memory (2-byte elements): sQ tile_m*d, sK and sV kv_stages*tile_n*d each; sO aliases
-sQ (each warpgroup overwrites only its own, already consumed, Q rows). The mbarriers (and, in
+sQ (each warpgroup overwrites only its own, already consumed, Q rows), or with own_o takes
+another tile_m*d. The mbarriers (and, in
 the dynamic order, pipe_tile's 4 mbarriers and 2 slots: 40 bytes) sit below sQ's 1 KB
 alignment.
     d=64 (tile_m 192): 24K + 32K + 32K = 88 KB      d=128: 32K + 64K + 64K = 160 KB
-    d=128 persistent non-causal (tile_n 176): 32K + 88K + 88K = 208 KB; d=64 short causal
-    (config.narrow_fwd, tile_m 128): 16K + 32K + 32K = 80 KB
+    persistent with own_o: d=64 + 24K = 112 KB, d=128 + 32K = 192 KB (the 176-key block would
+    need 240 KB); d=64 short causal (config.narrow_fwd, tile_m 128): 16K + 32K + 32K (+ 16K)
     d=192 (tile_n 112): 48K + 84K + 84K = 216 KB      d=256 (tile_n 80): 64K + 80K + 80K = 224 KB
 """
 import enum
@@ -115,6 +121,7 @@ class Barrier(enum.IntEnum):
     TURN_WG1 = 2      # TURN_WG1 + i: consumer warpgroup i may issue its GEMMs
     TURN_WG2 = 3
     V_TAIL = 4        # varlen: the last V block's tail is zeroed before anyone's P V reads it
+    O_FREE = 5        # cfg.own_o: the previous tile's O store has read sO (warp 4 arrives)
 
 
 class FlashFwdSm90:
@@ -212,6 +219,9 @@ class FlashFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], SMEM_ALIGN]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], SMEM_ALIGN]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], SMEM_ALIGN]
+            if self.cfg.own_o:
+                sO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)],
+                                      SMEM_ALIGN]
 
         return SharedStorage
 
@@ -237,8 +247,9 @@ class FlashFwdSm90:
             pipe_tile = scheduler.make_tile_pipeline(storage.mbar_tile.data_ptr(),
                                                      self.num_consumer_threads)
             sTile = storage.tile_slot.get_tensor(cute.make_layout(scheduler.TILE_SLOTS))
-        # Persistent: Q is released by the one warp that stores O (sO aliases sQ).
-        q_releasers = (1,) if const_expr(self.cfg.persistent) else ()
+        # Persistent: Q is released by the one warp that stores O (sO aliases sQ), or with
+        # cfg.own_o by every consumer warp after the tile's last QK^T.
+        q_releasers = (1,) if const_expr(self.cfg.persistent and not self.cfg.own_o) else ()
         pipe_q, pipe_k, pipe_v = make_tma_pipelines(
             [(storage.mbar_q, 1, self.q_bytes, *q_releasers),
              (storage.mbar_k, self.cfg.kv_stages, self.kv_bytes),
@@ -247,6 +258,9 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = sQ
+        if const_expr(self.cfg.own_o):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
 
         nheads, longest_first = mQ.shape[2], self.causal and self.cfg.longest_first
         if const_expr(not self.varlen):
@@ -280,7 +294,7 @@ class FlashFwdSm90:
                 else:
                     cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
                     self.first_turn()
-                    self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k,
+                    self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k,
                                  pipe_v, scale_log2, m_block, head, batch, n_max, seq,
                                  *self.pipeline_states(pipeline.PipelineUserType.Consumer))
         else:
@@ -322,11 +336,12 @@ class FlashFwdSm90:
                     claimed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                            scheduler.TILE_SLOTS)
                 self.first_turn()
+                self.free_o()  # sO has no store in flight before the first tile
                 tile = scheduler.first_tile()
                 while tile < num_tiles:
                     m_block, head, batch = scheduler.tile_coords(tile, *order)
                     q, kv = self.consume(
-                        mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, tma_o, pipe_q, pipe_k, pipe_v,
+                        mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k, pipe_v,
                         scale_log2, m_block, head, batch, blocks(m_block),
                         SeqlenInfo.create(batch, mQ, mK), q, kv)
                     if const_expr(self.cfg.dynamic):
@@ -380,7 +395,8 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mO: cute.Tensor,
                 mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                tma_o: Optional[cute.CopyAtom], pipe_q, pipe_k, pipe_v, scale_log2: Float32,
+                sO: cute.Tensor, tma_o: Optional[cute.CopyAtom], pipe_q, pipe_k, pipe_v,
+                scale_log2: Float32,
                 m_block: Int32, head: Int32, batch: Int32, n_max: Int32, seq: SeqlenInfo, q,
                 kv):
         """Consumer warpgroups: the attention main loop, then the epilogue. q, kv: the states
@@ -430,12 +446,14 @@ class FlashFwdSm90:
             kv = self.mma_block(n_unmasked_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
                                 tSrQ, tSrK, tOrV, softmax, pipe_k, pipe_v, wg, None)
 
+        if const_expr(self.cfg.own_o):
+            pipe_q.consumer_release(q)  # every QK^T of the tile has completed
         # Last P V.
         pipe_v.consumer_wait(kv)
         gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv.index], zero_init=False, wait_group=0)
         pipe_v.consumer_release(kv)
 
-        self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sQ, tma_o, tidx, m_block, head, batch,
+        self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, tma_o, tidx, m_block, head, batch,
                       seq, pipe_q, q)
         q.advance()
         kv.advance()
@@ -533,13 +551,16 @@ class FlashFwdSm90:
                  batch: Int32, seq: SeqlenInfo, pipe_q, q):
         """O / rowsum -> sO (stmatrix) -> TMA store (clips rows past seqlen_q; varlen:
         predicated row stores); LSE -> global. Persistent: the storing warp frees sQ (= sO) for
-        the next tile's Q once the store has read it."""
+        the next tile's Q once the store has read it; with cfg.own_o it frees sO (O_FREE)."""
         seqlen_q = seq.seqlen_q
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         rescale_rows(tOrO, softmax.finalize(lse))
         rO = cute.make_rmem_tensor_like(tOrO, self.dtype)
         rO.store(tOrO.load().to(self.dtype))
 
+        if const_expr(self.cfg.own_o):  # the previous tile's store has read sO
+            cute.arch.barrier(barrier_id=int(Barrier.O_FREE),
+                              number_of_threads=self.num_consumer_threads + 32)
         stmatrix_acc(mma_pv, rO, sO, tidx)
 
         # LSE: the thread holding column 0 of a row writes it.
@@ -574,7 +595,19 @@ class FlashFwdSm90:
                 tma_store(tma_o, sO, gO)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-                if const_expr(self.cfg.persistent):
+                if const_expr(self.cfg.own_o):
+                    self.free_o()
+                elif const_expr(self.cfg.persistent):
                     # The other warps' last sQ reads (QK^T) precede their sO writes, which
                     # precede the EPILOGUE barrier: this warp alone may release Q.
                     pipe_q.consumer_release(q)
+
+    @cute.jit
+    def free_o(self):
+        """cfg.own_o: warp 4 (the O-storing warp) arrives on O_FREE once before the first tile
+        and after each store has read sO; every consumer thread waits on it before writing sO
+        (the count includes warp 4 twice, as EPILOGUE's). The last arrive stays pending."""
+        if const_expr(self.cfg.own_o):
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.O_FREE),
+                                         number_of_threads=self.num_consumer_threads + 32)
