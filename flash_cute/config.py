@@ -70,7 +70,9 @@ class FwdSm90Config:
 # d=128 non-causal takes FA3's 176-key block (spill-free with the packed P conversion only):
 # fewer, longer blocks per tile. H200, session 8 (bench/exp_fwd.py --d 128 --shapes long short,
 # persistent_ship vs tn176_persistent): +0.5% s=4k, +1.6% s=16k, +4% s=1k, -1.5% s=512; causal
-# lost 8-16% at s <= 2k (more masked keys on the diagonal) and keeps 128.
+# lost 8-16% at s <= 2k (more masked keys on the diagonal) and keeps 128. Since session 10
+# every shipped d <= 128 persistent call adds OWN_O below (128-key blocks again); these
+# entries remain the walk underneath it and the baseline it was measured against.
 PACKED = {"packed_p_cvt": True}
 PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
                   (128, False): {**PACKED, "tile_n": 176}, (128, True): {},
