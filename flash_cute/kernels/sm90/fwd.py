@@ -63,15 +63,11 @@ barrier = 1 arrive (load warp lane 0, after writing the slot), empty barrier = 1
 
     pipe_tile  load -> consumers, the claimed tile numbers (2 int32 slots)
 
-own_o only, an mbarrier (count 1; no warpgroup waits for another):
-
-    mbar_o  warp 4 lane 0 -> consumers: arrives once up front and after each O store has read
-            sO; every consumer thread waits for completion t (parity = the tile's Q phase)
-            before writing tile t's O into sO
-
 Named barriers: EPILOGUE (128n + 32) makes sO visible before warp 4 issues the TMA store
-(varlen: 128n, before the consumers read sO back); V_TAIL (128n, varlen) orders the zeroing
-of the last V block before any warpgroup's P V reads it;
+(varlen: 128n, before the consumers read sO back); O_FREE (128n + 32, own_o) keeps the next
+tile's sO writes behind the store's read (warp 4 arrives once up front and after each
+store); V_TAIL (128n, varlen) orders the zeroing of the last V block before any warpgroup's
+P V reads it;
 TURN_WG1/TURN_WG2 (256, n = 2 only, off by default) order the two warpgroups' GEMM issue
 (ping-pong: one warpgroup's softmax runs under the other's GEMMs; persistent too, the turns
 carrying over from tile to tile, see first_turn).
@@ -125,6 +121,7 @@ class Barrier(enum.IntEnum):
     TURN_WG1 = 2      # TURN_WG1 + i: consumer warpgroup i may issue its GEMMs
     TURN_WG2 = 3
     V_TAIL = 4        # varlen: the last V block's tail is zeroed before anyone's P V reads it
+    O_FREE = 5        # cfg.own_o: the previous tile's O store has read sO (warp 4 arrives)
 
 
 class FlashFwdSm90:
@@ -216,8 +213,6 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            if self.cfg.own_o:
-                mbar_o: cute.struct.MemRange[cutlass.Int64, 1]
             if dynamic:
                 mbar_tile: cute.struct.MemRange[cutlass.Int64, 2 * scheduler.TILE_SLOTS]
                 tile_slot: cute.struct.MemRange[Int32, scheduler.TILE_SLOTS]
@@ -252,12 +247,6 @@ class FlashFwdSm90:
             pipe_tile = scheduler.make_tile_pipeline(storage.mbar_tile.data_ptr(),
                                                      self.num_consumer_threads)
             sTile = storage.tile_slot.get_tensor(cute.make_layout(scheduler.TILE_SLOTS))
-        mbar_o = None
-        if const_expr(self.cfg.own_o):  # initialised before make_tma_pipelines' fence + sync
-            mbar_o = storage.mbar_o.data_ptr()
-            if warp_idx == 0:
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_init(mbar_o, 1)
         # Persistent: Q is released by the one warp that stores O (sO aliases sQ), or with
         # cfg.own_o by every consumer warp after the tile's last QK^T.
         q_releasers = (1,) if const_expr(self.cfg.persistent and not self.cfg.own_o) else ()
@@ -305,9 +294,8 @@ class FlashFwdSm90:
                 else:
                     cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
                     self.first_turn()
-                    self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, mbar_o, tma_o,
-                                 pipe_q, pipe_k, pipe_v, scale_log2, m_block, head, batch, n_max,
-                                 seq,
+                    self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k,
+                                 pipe_v, scale_log2, m_block, head, batch, n_max, seq,
                                  *self.pipeline_states(pipeline.PipelineUserType.Consumer))
         else:
             # Persistent (batched only): the load warp and the consumers walk the same tiles,
@@ -348,13 +336,12 @@ class FlashFwdSm90:
                     claimed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                            scheduler.TILE_SLOTS)
                 self.first_turn()
-                self.free_o(mbar_o)  # sO has no store in flight before the first tile
+                self.free_o()  # sO has no store in flight before the first tile
                 tile = scheduler.first_tile()
                 while tile < num_tiles:
                     m_block, head, batch = scheduler.tile_coords(tile, *order)
                     q, kv = self.consume(
-                        mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, mbar_o, tma_o, pipe_q, pipe_k,
-                        pipe_v,
+                        mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k, pipe_v,
                         scale_log2, m_block, head, batch, blocks(m_block),
                         SeqlenInfo.create(batch, mQ, mK), q, kv)
                     if const_expr(self.cfg.dynamic):
@@ -408,8 +395,7 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mO: cute.Tensor,
                 mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                sO: cute.Tensor, mbar_o: Optional[cute.Pointer], tma_o: Optional[cute.CopyAtom],
-                pipe_q, pipe_k, pipe_v,
+                sO: cute.Tensor, tma_o: Optional[cute.CopyAtom], pipe_q, pipe_k, pipe_v,
                 scale_log2: Float32,
                 m_block: Int32, head: Int32, batch: Int32, n_max: Int32, seq: SeqlenInfo, q,
                 kv):
@@ -467,8 +453,8 @@ class FlashFwdSm90:
         gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv.index], zero_init=False, wait_group=0)
         pipe_v.consumer_release(kv)
 
-        self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, mbar_o, tma_o, tidx, m_block, head,
-                      batch, seq, pipe_q, q)
+        self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, tma_o, tidx, m_block, head, batch,
+                      seq, pipe_q, q)
         q.advance()
         kv.advance()
         return q, kv
@@ -561,12 +547,11 @@ class FlashFwdSm90:
     @cute.jit
     def epilogue(self, mma_pv: cute.TiledMma, tOrO: cute.Tensor, softmax: OnlineSoftmax,
                  mO: cute.Tensor, mLSE: cute.Tensor, sO: cute.Tensor,
-                 mbar_o: Optional[cute.Pointer],
                  tma_o: Optional[cute.CopyAtom], tidx: Int32, m_block: Int32, head: Int32,
                  batch: Int32, seq: SeqlenInfo, pipe_q, q):
         """O / rowsum -> sO (stmatrix) -> TMA store (clips rows past seqlen_q; varlen:
         predicated row stores); LSE -> global. Persistent: the storing warp frees sQ (= sO) for
-        the next tile's Q once the store has read it; with cfg.own_o it frees sO (mbar_o)."""
+        the next tile's Q once the store has read it; with cfg.own_o it frees sO (O_FREE)."""
         seqlen_q = seq.seqlen_q
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         rescale_rows(tOrO, softmax.finalize(lse))
@@ -574,7 +559,8 @@ class FlashFwdSm90:
         rO.store(tOrO.load().to(self.dtype))
 
         if const_expr(self.cfg.own_o):  # the previous tile's store has read sO
-            cute.arch.mbarrier_wait(mbar_o, q.phase)
+            cute.arch.barrier(barrier_id=int(Barrier.O_FREE),
+                              number_of_threads=self.num_consumer_threads + 32)
         stmatrix_acc(mma_pv, rO, sO, tidx)
 
         # LSE: the thread holding column 0 of a row writes it.
@@ -610,18 +596,18 @@ class FlashFwdSm90:
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 if const_expr(self.cfg.own_o):
-                    cute.arch.sync_warp()  # after the issuing lane's wait
-                    self.free_o(mbar_o)
+                    self.free_o()
                 elif const_expr(self.cfg.persistent):
                     # The other warps' last sQ reads (QK^T) precede their sO writes, which
                     # precede the EPILOGUE barrier: this warp alone may release Q.
                     pipe_q.consumer_release(q)
 
     @cute.jit
-    def free_o(self, mbar_o: Optional[cute.Pointer]):
-        """cfg.own_o: lane 0 of warp 4 (the O-storing warp) arrives on mbar_o once before the
-        first tile and after each store has read sO (module docstring)."""
+    def free_o(self):
+        """cfg.own_o: warp 4 (the O-storing warp) arrives on O_FREE once before the first tile
+        and after each store has read sO; every consumer thread waits on it before writing sO
+        (the count includes warp 4 twice, as EPILOGUE's). The last arrive stays pending."""
         if const_expr(self.cfg.own_o):
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
-                if cute.arch.lane_idx() == 0:
-                    cute.arch.mbarrier_arrive(mbar_o)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.O_FREE),
+                                         number_of_threads=self.num_consumer_threads + 32)
