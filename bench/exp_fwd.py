@@ -95,6 +95,9 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     # Session 10, own_o where the first run was mixed (d=64 s=4k) or absent (d=96).
     "own_o": [(64, 4096, False), (64, 16384, False), (64, 4096, True), (96, 1024, False),
               (96, 1024, True), (96, 4096, False), (96, 16384, True)],
+    # ... and the cells where own_o's hand-off (named barrier vs mbarrier) was compared.
+    "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),
+               (128, 16384, False), (128, 1024, True), (96, 1024, True)],
 }
 ROUNDS = 5
 CHECK_CTAS = 7
