@@ -29,8 +29,8 @@ from hypothesis import assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import flash_cute  # noqa: E402
-from flash_cute import (backward, dispatch, flash_attn_func, flash_attn_varlen_func,  # noqa: E402
-                        interface)
+from flash_cute import (backward, config, dispatch, flash_attn_func,  # noqa: E402
+                        flash_attn_varlen_func, interface)
 from flash_cute.reference import attention_ref, check_close, check_grads_close  # noqa: E402
 
 # The self-check runs without the gpu mark, since conftest skips gpu tests on a CPU machine.
@@ -297,6 +297,25 @@ def test_forward_dynamic_tile_order(d, causal, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in has no sO")
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (96, False), (128, True)])
+def test_forward_own_o_matches_aliased_o(d, causal, monkeypatch):
+    """config.OWN_O (O staged in a buffer of its own, Q released after the last QK^T) changes
+    only where O waits, not the math: with the same key block as the aliased kernel the
+    outputs and LSE are bitwise equal, over a persistent walk of many tiles per CTA (static
+    and dynamic). d=128 non-causal is left out: its aliased walk takes 176-key blocks."""
+    q, k, v = qkv_inputs(3, 700, 700, 5, 5, d, seed=23)
+    for mode in ("ctas=7", "dyn:ctas=5"):
+        monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
+        assert config.fwd_own_o(d, causal, k.shape[1])
+        monkeypatch.setattr(dispatch, "fwd_own_o", config.fwd_own_o)
+        own = run_and_check(q, k, v, causal=causal)
+        monkeypatch.setattr(dispatch, "fwd_own_o", lambda *args: False)
+        _poison_allocator(256 << 20)
+        aliased = dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal)
+        assert torch.equal(own[0], aliased[0]) and torch.equal(own[1], aliased[1]), mode
 
 
 # ---------------------------------------------------------------------------------------------
