@@ -78,9 +78,8 @@ for S_next; mask and softmax it while P V runs; rescale O. Masks only on the fir
 
 Shared memory (2-byte elements): sQ tile_m*d, sK and sV kv_stages*tile_n*d each; sO aliases
 sQ (each warpgroup overwrites only its own, already consumed, Q rows), or with own_o takes
-another tile_m*d. The mbarriers (and, in
-the dynamic order, pipe_tile's 4 mbarriers and 2 slots: 40 bytes) sit below sQ's 1 KB
-alignment.
+another tile_m*d. The mbarriers (and, in the dynamic order, pipe_tile's 4 mbarriers and 2
+slots: 40 bytes) sit below sQ's 1 KB alignment.
     d=64 (tile_m 192): 24K + 32K + 32K = 88 KB      d=128: 32K + 64K + 64K = 160 KB
     persistent with own_o: d=64 + 24K = 112 KB, d=128 + 32K = 192 KB (the 176-key block would
     need 240 KB); d=64 short causal (config.narrow_fwd, tile_m 128): 16K + 32K + 32K (+ 16K)
@@ -396,9 +395,8 @@ class FlashFwdSm90:
     def consume(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, mO: cute.Tensor,
                 mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                 sO: cute.Tensor, tma_o: Optional[cute.CopyAtom], pipe_q, pipe_k, pipe_v,
-                scale_log2: Float32,
-                m_block: Int32, head: Int32, batch: Int32, n_max: Int32, seq: SeqlenInfo, q,
-                kv):
+                scale_log2: Float32, m_block: Int32, head: Int32, batch: Int32, n_max: Int32,
+                seq: SeqlenInfo, q, kv):
         """Consumer warpgroups: the attention main loop, then the epilogue. q, kv: the states
         of the tile's first Q and K/V stages; returns those of the next tile."""
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
