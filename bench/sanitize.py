@@ -22,34 +22,27 @@ def grads(q, k, v, dout, causal, upcast):
     return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
 
 
-def check(d, causal, sq, sk, persistent="auto"):
+def check(d, causal, sq, sk, persistent="auto", backward=True):
+    """One call checked against the oracle; ``backward=False``: the forward alone, so that
+    racecheck sees no backward kernel (whose staggered dQ hand-off it reports,
+    docs/performance.md session 6)."""
     os.environ["FLASH_CUTE_FWD_PERSISTENT"] = persistent
-    q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(2))
+    q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+    k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=backward) for _ in range(2))
     out = flash_attn_func(q, k, v, causal=causal)
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), dout)
+    if backward:
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
     ref, _ = attention_ref(q, k, v, causal=causal)
     low, _ = attention_ref(q, k, v, causal=causal, upcast=False)
     check_close(out, ref, low)
-    check_grads_close(got, grads(q, k, v, dout, causal, True), grads(q, k, v, dout, causal, False))
-    print(f"d={d} causal={causal} sq={sq} sk={sk} persistent={persistent}: ok", flush=True)
-
-
-def check_fwd(d, causal, sq, sk, persistent="auto"):
-    """Forward only: racecheck then sees no backward kernel (whose staggered dQ hand-off it
-    reports, docs/performance.md session 6)."""
-    os.environ["FLASH_CUTE_FWD_PERSISTENT"] = persistent
-    q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out = flash_attn_func(q, k, v, causal=causal)
-    torch.cuda.synchronize()
-    ref, _ = attention_ref(q, k, v, causal=causal)
-    low, _ = attention_ref(q, k, v, causal=causal, upcast=False)
-    check_close(out, ref, low)
-    print(f"fwd d={d} causal={causal} sq={sq} sk={sk} persistent={persistent}: ok", flush=True)
+    if backward:
+        check_grads_close(got, grads(q, k, v, dout, causal, True),
+                          grads(q, k, v, dout, causal, False))
+    print(f"d={d} causal={causal} sq={sq} sk={sk} persistent={persistent} "
+          f"backward={backward}: ok", flush=True)
 
 
 def check_varlen(d, causal, lens=(37, 0, 200, 129)):
@@ -89,8 +82,8 @@ CASES = {
     # The dynamic persistent forward with O in its own buffer (own_o), 5 CTAs: the O_FREE
     # hand-off and the early Q release cross many tile boundaries.
     "persistent64c_dyn": lambda: check(64, True, 900, 900, persistent="dyn:ctas=5"),
-    "fwd_own_o": lambda: (check_fwd(128, False, 900, 700, persistent="ctas=5"),
-                          check_fwd(64, True, 900, 900, persistent="dyn:ctas=5")),
+    "fwd_own_o": lambda: (check(128, False, 900, 700, persistent="ctas=5", backward=False),
+                          check(64, True, 900, 900, persistent="dyn:ctas=5", backward=False)),
     "varlen128c": lambda: check_varlen(128, True),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
