@@ -45,10 +45,7 @@ Warp roles (3 warpgroups, 384 threads):
 Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
 empty barrier: one arrive per consumer warp, 8):
 
-    pipe_kv  load -> 8 mma warps, KV_STAGES = 2 stages per tile: K, then V (tile_n * d * 2
-             bytes each), loaded K, Q[first], V, dO[first], so the tile's first S^T waits for
-             K and Q only and V's bytes arrive under it (its wait sits before each block's
-             dP^T; varlen waits for both up front, bwd_wide.py too).
+    pipe_kv  load -> 8 mma warps, 1 stage, K and V together (2 * tile_n * d * 2 bytes).
              One CTA per tile: acquired once, never released. Persistent: once per tile;
              the mma warps release it after the tile's last m_step, whose dQ wgmma (the last
              reader of sK; sV's last is that block's dP^T) they have waited on, so the next
@@ -141,9 +138,6 @@ DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ turn + the dQ warp
 DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
 STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
-# pipe_kv's stages: K (0) and V (1) on barriers of their own, loaded K, Q, V, dO, so a tile's
-# first S^T waits for K and Q only (V's bytes arrive under it).
-KV_STAGES = 2
 # dq_split "t" / "talt": a warp's transposed dQ^T store writes 8 d-columns x 4 query rows 2
 # apart; with 128-float rows these share banks (4-way). XOR-ing d's bits 3-4 with the query's
 # bits 1-2 (element offset bits 8-9 into 3-4) spreads them over 32 banks. A layout swizzle (on
@@ -156,7 +150,6 @@ AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself 
 
 class FlashBwdSm90:
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
-    v_in_step = False  # see __init__
     uniform_dq_desc = False  # see __init__
 
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
@@ -193,9 +186,6 @@ class FlashBwdSm90:
         # spilled 8-20 bytes with it at d=128 (a reload per query block). cfg.early_lse_d is
         # read as is (varlen: off unless asked for, backward._compile_main).
         self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
-        # V waited for in the first query block, before its dP^T (the first S^T needs K and Q
-        # only). Varlen waits for both up front: its tail rows of sK and sV are zeroed first.
-        self.v_in_step = not varlen
 
     @property
     def staged_dkv(self) -> bool:
@@ -264,11 +254,11 @@ class FlashBwdSm90:
                 cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
         q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
         self.q_stage_bytes = q_bytes + tm * 4        # Q (or dO) tile + LSE (or D) row
-        self.kv_bytes = cute.size_in_bytes(dt, sK_layout)  # one of K, V (a pipe_kv stage)
+        self.kv_bytes = 2 * cute.size_in_bytes(dt, sK_layout)
 
         @cute.struct
         class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, lse_stage * stages], 128]
@@ -375,7 +365,7 @@ class FlashBwdSm90:
         kv_releasers = (1,) if const_expr(self.persistent and self.staged_dkv and
                                           not self.varlen) else ()
         pipe_kv, pipe_q, pipe_do = make_tma_pipelines(
-            [(storage.mbar_kv, KV_STAGES, self.kv_bytes, *kv_releasers),
+            [(storage.mbar_kv, 1, self.kv_bytes, *kv_releasers),
              (storage.mbar_q, self.cfg.stages, self.q_stage_bytes),
              (storage.mbar_do, self.cfg.num_do_stages, self.q_stage_bytes)], NUM_MMA_WG * 4)
 
@@ -480,15 +470,15 @@ class FlashBwdSm90:
         """Producer: per tile, K and V, then (Q, LSE) and (dO, D) for each query block in
         order. The pipeline states run on across tiles."""
         body = partial(self.load_tile, ops, pipe_kv, pipe_q, pipe_do)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
         self.each_tile(tiles, body, (kv, st))
 
     @cute.jit
     def load_kv(self, ops: LoadOperands, pipe_kv, tile: KeyTile, kv):
-        """A tile's K load into stage ``kv`` (not advanced), and the (global, shared) TMA
-        partitions of V (for ``load_v``) and of its per-query-block loads: Q, LSE_log2, dO, D,
-        indexed [None, m_block] and [None, stage]."""
+        """A tile's K and V load into ``kv`` (not advanced), and the (global, shared) TMA
+        partitions of its per-query-block loads: Q, LSE_log2, dO, D, indexed [None, m_block]
+        and [None, stage]."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         mQ, mK, mV, mdO, mLSE, mD = ops.mQ, ops.mK, ops.mV, ops.mdO, ops.mLSE, ops.mD
         n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
@@ -509,36 +499,24 @@ class FlashBwdSm90:
         # Persistent: waits until the mma warpgroups released the previous tile's K and V.
         pipe_kv.producer_acquire(kv)
         cute.copy(ops.tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        cute.copy(ops.tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
         pdl.wait_prior(self.cfg.pdl)  # LSE_log2 and D are bwd_pre's; K and V are not
-        return (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD), (tVgV, tVsV)
-
-    def load_v(self, ops: LoadOperands, pipe_kv, tV, kv_v):
-        """A tile's V load into stage ``kv_v`` (the one after K's)."""
-        pipe_kv.producer_acquire(kv_v)
-        cute.copy(ops.tma_v, *tV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_v))
+        return (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD)
 
     @cute.jit
     def load_tile(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tile: KeyTile, states):
-        """One tile's loads, K, Q[first], V, dO[first], then Q and dO of the next blocks;
-        returns the advanced (kv, q/dO) producer states."""
+        """One tile's loads; returns the advanced (kv, q/dO) producer states."""
         kv, st = states
-        tQ, tL, tdO, tD, tV = self.load_kv(ops, pipe_kv, tile, kv)
+        tQ, tL, tdO, tD = self.load_kv(ops, pipe_kv, tile, kv)
         (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
-        kv_v = kv.clone()
-        kv_v.advance()
-        if tile.m_begin >= tile.m_end:  # no query block: the epilogue still waits for V
-            self.load_v(ops, pipe_kv, tV, kv_v)
+        kv.advance()
         for m_block in cutlass.range(tile.m_begin, tile.m_end, unroll=1):
             pipe_q.producer_acquire(st)
             bar_q = pipe_q.producer_get_barrier(st)
             cute.copy(ops.tma_q, tQgQ[None, m_block], tQsQ[None, st.index], tma_bar_ptr=bar_q)
             cute.copy(ops.tma_lse, tLgL[None, m_block], tLsL[None, st.index], tma_bar_ptr=bar_q)
-            if m_block == tile.m_begin:
-                self.load_v(ops, pipe_kv, tV, kv_v)
             self.load_do(ops.tma_do, ops.tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st, m_block)
             st.advance()
-        kv.advance()
-        kv.advance()
         return kv, st
 
     @cute.jit
@@ -637,17 +615,9 @@ class FlashBwdSm90:
                  tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         self.each_tile(tiles, body, (kv, st))
-
-    @staticmethod
-    def release_kv(pipe_kv, kv):
-        """Persistent: hand a tile's K and V stages (``kv``: K's) back to the load warp."""
-        kv_v = kv.clone()
-        kv_v.advance()
-        pipe_kv.consumer_release(kv)
-        pipe_kv.consumer_release(kv_v)
 
     @cute.jit
     def mma_tile(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
@@ -664,12 +634,7 @@ class FlashBwdSm90:
         tdVrdV, tdKrdK = frags[4], frags[5]
         tdVrdV.fill(0.0)
         tdKrdK.fill(0.0)
-        pipe_kv.consumer_wait(kv)  # K
-        kv_v = kv.clone()
-        kv_v.advance()
-        wait_v = partial(pipe_kv.consumer_wait, kv_v)
-        if const_expr(not self.v_in_step):
-            wait_v()
+        pipe_kv.consumer_wait(kv)
         # Varlen: the query block where the sequence ends mid-block (-1: none) and its rows.
         q_tail, q_tail_rows = Int32(-1), Int32(0)
         if const_expr(self.varlen):
@@ -683,20 +648,16 @@ class FlashBwdSm90:
         for m_block in cutlass.range(m_begin, cutlass.min(m_mask_end, m_end), unroll=1):
             st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
-                             q_tail, q_tail_rows, wait_v)
+                             q_tail, q_tail_rows)
         for m_block in cutlass.range(m_mask_end, m_end, unroll=1):
             st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
-                             q_tail, q_tail_rows, wait_v)
-        if const_expr(self.v_in_step):
-            if m_begin >= m_end:  # no query block waited for V: the epilogue overwrites sV
-                wait_v()
+                             q_tail, q_tail_rows)
         if const_expr(self.persistent and not self.staged_dkv):
             # The last reads of sK / sV (the dQ wgmma) were waited on in the last m_step: the
             # load warp may bring the next tile's K and V in under this epilogue.
-            self.release_kv(pipe_kv, kv)
+            pipe_kv.consumer_release(kv)
         tile_kv = kv.clone()  # staged epilogue (persistent): released once sK / sV are read
-        kv.advance()
         kv.advance()
         if const_expr(self.remat_tid):
             tidx = opaque_thread_idx() - WG_THREADS
@@ -735,13 +696,12 @@ class FlashBwdSm90:
                    tdPrV: cute.Tensor, tdPrdO: cute.Tensor, tScS: cute.Tensor,
                    t0ScS: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, pipe_q, pipe_do,
                    n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32,
-                   q_tail_rows: Int32, sLSE: Optional[cute.Tensor] = None, wait_v=None):
+                   q_tail_rows: Int32, sLSE: Optional[cute.Tensor] = None):
         """S^T = K Q^T and dP^T = V dO^T of one query block, once its Q and dO stages are in
         (varlen: rows past the sequence zeroed first). Returns with S^T complete (and masked,
         on a masked block, where dP^T is complete too); otherwise dP^T may still run.
         cfg.early_lse_d: returns this thread's LSE_log2 columns in registers, read from
-        ``sLSE`` while the GEMMs run (else None). ``wait_v`` (or None): waits for the tile's V
-        (passes at once after the first block)."""
+        ``sLSE`` while the GEMMs run (else None)."""
         s, s_do = st_q.index, st_do.index
         if const_expr(self.varlen):
             if m_block == q_tail:  # the sequence ends inside this block
@@ -755,8 +715,6 @@ class FlashBwdSm90:
         if const_expr(self.cfg.early_lse_d):  # LSE rides with Q: its stage is in
             lse = bwd_cols.load_cols(sLSE, tScS, t0ScS, s)
         pipe_do.consumer_wait(st_do)
-        if const_expr(wait_v is not None):
-            wait_v()
         gemm(mma_sdp, tdPrdP, tdPrV, tdPrdO[None, None, None, s_do], zero_init=True,
              wait_group=-1)
         if const_expr(masked):
@@ -788,9 +746,8 @@ class FlashBwdSm90:
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
                mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
                sD: cute.Tensor, pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32,
-               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32, wait_v):
-        """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring).
-        ``wait_v``: waits for the tile's V (cfg.v_in_step) before dP^T."""
+               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
+        """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring)."""
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
          tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
         s = st.index
@@ -802,8 +759,7 @@ class FlashBwdSm90:
         step = st.count if const_expr(self.persistent) else m_block
         lse = self.issue_s_dp(m_block, st, st, masked, mma_sdp, tSrS, tdPrdP, tSrK, tSrQ, tdPrV,
                               tdPrdO, tScS, t0ScS, sQ, sdO, pipe_q, pipe_do, n_block, seqlen_q,
-                              seqlen_k, q_tail, q_tail_rows, sLSE,
-                              wait_v if const_expr(self.v_in_step) else None)
+                              seqlen_k, q_tail, q_tail_rows, sLSE)
         self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2, lse)
         s_mn = acc_as_mn(tSrS)
         if const_expr(not self.ds_from_p16):
@@ -1032,7 +988,7 @@ class FlashBwdSm90:
                          int(Barrier.DKV_STAGED), STORE_WARP,
                          None if const_expr(self.varlen) else (dkv.tma_dk, dkv.tma_dv),
                          seq.seqlen_k - n_block * tn,
-                         partial(self.release_kv, pipe_kv, kv) if const_expr(self.persistent)
+                         partial(pipe_kv.consumer_release, kv) if const_expr(self.persistent)
                          else None)
         else:  # its own gdK / gdV, in the measured order (shared, d=256's PTX changed)
             cKV = cute.make_identity_tensor((tn, d))

@@ -109,7 +109,7 @@ from cutlass.cute.nvgpu import warp, warpgroup
 
 from ...config import BwdSm90Config
 from ..common.layout import acc_as_mn, transpose_mn
-from .bwd import DQ_THREADS, KV_STAGES, NUM_MMA_WG, WG_THREADS, FlashBwdSm90
+from .bwd import DQ_THREADS, NUM_MMA_WG, WG_THREADS, FlashBwdSm90
 from .bwd_types import Barrier, DkvOut, KeyTile, LoadOperands
 from .pipelines import bulk_reduce_add_f32
 from .wgmma import gemm, make_smem_layout
@@ -240,7 +240,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
                  t0ScS)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         if const_expr(self.cfg.do_stages):  # dO on its own ring: (Q state, dO state)
             st = (st, pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -251,10 +251,9 @@ class FlashBwdWideSm90(FlashBwdSm90):
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
                mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
                sD: cute.Tensor, pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32,
-               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32, wait_v):
+               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
         """One query block (see the module docstring for the order and the barriers). ``st``:
-        the Q/dO consumer state, or (Q state, dO state) with cfg.do_stages. ``wait_v``: unused
-        (V was waited for with K: v_in_step is off here)."""
+        the Q/dO consumer state, or (Q state, dO state) with cfg.do_stages."""
         (tSrS, tdPrdP, rP, rdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO,
          tdKrdS, tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, thr_store, tPsPdS, tScS, t0ScS) = frags
         split = const_expr(self.cfg.do_stages != 0)
@@ -405,14 +404,12 @@ class FlashBwdWideSm90(FlashBwdSm90):
             FlashBwdSm90.load(self, ops, pipe_kv, pipe_q, pipe_do, tiles)
         else:
             tile = tiles  # one tile per CTA (no persistent wide kernel)
-            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             st_q = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                 self.cfg.stages)
             st_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.cfg.do_stages)
-            tQ, tL, tdO, tD, tV = self.load_kv(ops, pipe_kv, tile, kv)
-            kv.advance()
-            self.load_v(ops, pipe_kv, tV, kv)  # the mma warpgroups wait for K and V together
+            tQ, tL, tdO, tD = self.load_kv(ops, pipe_kv, tile, kv)
             (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
             # Acquire in the order the stages free up: Q(m+1) waits for the end of block
             # m+1-stages, dO(m+1) for the dV of block m+1-do_stages, which comes first when
