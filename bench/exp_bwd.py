@@ -59,9 +59,10 @@ VARIANTS = {
     "lockstep": dict(BWD_LOCKSTEP_128),
     "dq_last": {"dq_first": False},  # the order before bwd v6 (shipped at d=64)
     "deterministic": {"deterministic": True},
-    "persistent": {"persistent": True},
+    # stagger (d=128's default) is one CTA per tile only: the persistent variants drop it.
+    "persistent": {"persistent": True, "stagger": False},
     "dq_first": {"dq_first": True},  # d=64 ("alt"); at d=128 see "lockstep"
-    "dq_first_persistent": {"dq_first": True, "persistent": True},
+    "dq_first_persistent": {"dq_first": True, "persistent": True, "stagger": False},
     "tm128": {"tile_m": 128, "dq_split": "m"},  # shipped at d=64 non-causal (batched)
     "tm64": {"tile_m": 64, "dq_split": "alt"},
     "tm80": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t"},
@@ -83,10 +84,10 @@ VARIANTS = {
     "wide_turns": {"stages": 1, "do_stages": 0, "dq_per_turn": True},
     "pdl": {"pdl": True},
     "pdl_deterministic": {"pdl": True, "deterministic": True},
-    "pdl_persistent": {"pdl": True, "persistent": True},
+    "pdl_persistent": {"pdl": True, "persistent": True, "stagger": False},
     "tma_epi": {"tma_epilogue": True},
     "reg_epi": {"tma_epilogue": False},
-    "tma_epi_persistent": {"tma_epilogue": True, "persistent": True},
+    "tma_epi_persistent": {"tma_epilogue": True, "persistent": True, "stagger": False},
     # BwdSm90Config.stagger (session 5): "alt" dQ turns, the other warpgroup runs on.
     "stagger": {"dq_split": "alt", "dq_first": False, "stagger": True},
     "stagger_lse": {"dq_split": "alt", "dq_first": False, "stagger": True, "early_lse_d": True},
@@ -113,6 +114,9 @@ if NC128:
 C128 = "--c128" in ARGS  # the same, causal
 if C128:
     ARGS.remove("--c128")
+S1K = "--s1k" in ARGS  # the grid's short cells, where FA4 leads most (session 11)
+if S1K:
+    ARGS.remove("--s1k")
 BOTH = "--also-short" in ARGS  # the long shapes, then the short ones, in one process
 if BOTH:
     ARGS.remove("--also-short")
@@ -131,6 +135,8 @@ if NC128 or C128:
     SHAPES = [(128, s, C128) for s in (1024, 2048, 4096, 8192, 16384)]
 elif SHORT:
     SHAPES = SHORT_SHAPES
+elif S1K:
+    SHAPES = [(64, 1024, False), (64, 1024, True), (128, 1024, False), (128, 1024, True)]
 elif BOTH:
     SHAPES = SHAPES + SHORT_SHAPES
 WIDE_VARIANTS = ("default", "deterministic", "pdl", "pdl_deterministic", "tma_epi", "reg_epi")
