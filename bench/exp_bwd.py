@@ -7,6 +7,8 @@
     python bench/exp_bwd.py --short default pdl     # short sequences (SHORT_SHAPES)
     python bench/exp_bwd.py --nc128 tm64 talt_lse   # d=128 non-causal, s = 1k .. 16k
     python bench/exp_bwd.py --c128 tm64 talt_lse    # the same, causal
+    python bench/exp_bwd.py --s1k default persistent  # the grid's 1k cells at d=64 / 128
+    python bench/exp_bwd.py --cells 64:1024:0,64:16384:1 default tm128_m_first  # d:s:causal
 A variant is a BwdSm90Config override of the main kernel (or deterministic=True), passed to
 backward.bwd as cfg_overrides: preprocess, postprocess and the host allocations follow its
 tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m").
@@ -95,6 +97,10 @@ VARIANTS = {
     # tile) so the warpgroups can stagger; compiled clean, not yet timed (session 5).
     "tm128_alt": {"tile_m": 128, "dq_split": "alt"},
     "tm128_stagger": {"tile_m": 128, "dq_split": "alt", "stagger": True},
+    # d=64 (session 11): FA4's order on the 128-row tile, dQ issued before dK and stored to
+    # sdQ under it, with the dQ tile split along the queries ("m", as FA4) or in turns.
+    "tm128_m_first": {"tile_m": 128, "dq_split": "m", "dq_first": True},
+    "tm128_alt_first": {"tile_m": 128, "dq_split": "alt", "dq_first": True},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
@@ -117,6 +123,11 @@ if C128:
 S1K = "--s1k" in ARGS  # the grid's short cells, where FA4 leads most (session 11)
 if S1K:
     ARGS.remove("--s1k")
+CELLS = None
+if "--cells" in ARGS:  # --cells 64:1024:0,64:16384:1 (d:seqlen:causal)
+    i = ARGS.index("--cells")
+    CELLS = [tuple(int(x) for x in c.split(":")) for c in ARGS[i + 1].split(",")]
+    del ARGS[i:i + 2]
 BOTH = "--also-short" in ARGS  # the long shapes, then the short ones, in one process
 if BOTH:
     ARGS.remove("--also-short")
@@ -139,6 +150,8 @@ elif S1K:
     SHAPES = [(64, 1024, False), (64, 1024, True), (128, 1024, False), (128, 1024, True)]
 elif BOTH:
     SHAPES = SHAPES + SHORT_SHAPES
+if CELLS:
+    SHAPES = [(d, s, bool(c)) for d, s, c in CELLS]
 WIDE_VARIANTS = ("default", "deterministic", "pdl", "pdl_deterministic", "tma_epi", "reg_epi")
 WIDE_256_VARIANTS = ("wide_old", "wide_early_do", "wide_turns")  # d=256 only
 ROUNDS = 5
