@@ -109,11 +109,12 @@ ap.add_argument("--d", type=int, nargs="+", help="only the shapes of these head 
 args = ap.parse_args()
 
 
-def run(compiled, q, k, v, section=None, ctas=None, dynamic=False):
+def run(compiled, q, k, v, section=None, ctas=None, dynamic=False, causal=False):
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
     num_hb = q.shape[0] * q.shape[2]
-    sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb), "all": num_hb}.get(
+    sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb, causal),
+           "all": num_hb}.get(
         section, section)
     compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), sec,
              *dispatch.NO_VARLEN, ctas,
@@ -145,9 +146,9 @@ for d, s, causal in [shape for name in args.shapes for shape in SHAPES[name]
         ref, _ = attention_ref(qs, ks, vs, causal=causal)
         low, _ = attention_ref(qs, ks, vs, causal=causal, upcast=False)
         # Persistent: checked with a few CTAs (7: uneven rounds), so each walks many tiles.
-        check_close(run(comp, qs, ks, vs, section, ctas and CHECK_CTAS, dyn), ref, low)
+        check_close(run(comp, qs, ks, vs, section, ctas and CHECK_CTAS, dyn, causal), ref, low)
         fns[name] = (lambda comp=comp, section=section, ctas=ctas, dyn=dyn:
-                     run(comp, q, k, v, section, ctas, dyn))
+                     run(comp, q, k, v, section, ctas, dyn, causal))
     times = {n: [] for n in fns}
     for _ in range(ROUNDS):
         for n, fn in fns.items():

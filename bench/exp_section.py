@@ -33,10 +33,10 @@ def budget_section(budget, seqlen, d, elem_bytes, num_hb):
     return min(1 << (n.bit_length() - 1), max(num_hb, 1))
 
 
-def patched(seqlen, d, elem_bytes, num_hb):
+def patched(seqlen, d, elem_bytes, num_hb, causal=False):
     sec = choice["section"]
     if sec is None:
-        return config.heads_per_section(seqlen, d, elem_bytes, num_hb)
+        return config.heads_per_section(seqlen, d, elem_bytes, num_hb, causal)
     if isinstance(sec, str):  # "50MB": an L2 budget (the one before session 11: 50MB)
         return budget_section(int(sec[:-2]) << 20, seqlen, d, elem_bytes, num_hb)
     return min(sec, num_hb)
@@ -89,7 +89,7 @@ for d, s, causal in cells:
                                  else int(sec))
             times[sec].append(timeit(fn, reps=5))
     choice["section"] = None
-    auto = config.heads_per_section(s, d, 4 if args.dir == "bwd" else 2, b * h)
+    auto = config.heads_per_section(s, d, 4 if args.dir == "bwd" else 2, b * h, causal)
     cells = " ".join(f"{sec}={flops / sorted(t)[len(t) // 2] / 1e9:.0f}"
                      for sec, t in times.items())
     print(f"{args.dir} d={d} s={s} causal={int(causal)} (auto={auto}) TFLOP/s: {cells}",

@@ -37,7 +37,7 @@ if __name__ == "__main__":
     for d, s in [(64, 16384), (128, 16384), (256, 16384), (128, 2048), (256, 1024)]:
         tile_m = 192 if d == 64 else 128
         num_hb = (16384 // s) * (2048 // d)
-        section = heads_per_section(s, d, 2, num_hb)
+        section = heads_per_section(s, d, 2, num_hb, causal=True)
         st, dy = deal(-(-s // tile_m), num_hb, section, SMS)
         print(f"d={d} s={s} causal: section={section} heads, max/mean static {st:.2f}, "
               f"dynamic {dy:.3f}")

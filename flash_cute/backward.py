@@ -115,13 +115,14 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sched_args(persistent: bool, device: torch.device, seqlen_q: int, d: int, num_hb: int):
+def _sched_args(persistent: bool, device: torch.device, seqlen_q: int, d: int, num_hb: int,
+                causal: bool):
     """(SM count or None, heads per L2 section) for the main kernel's tile order.
 
     A section's heads keep what every key block of a head re-reads in L2: Q and dO (2 bytes
     per element) and dQaccum (4), so 8 bytes per (row, d) element: heads_per_section's
     2 * elem_bytes with elem_bytes = 4. The SM count bounds the persistent grid only."""
-    section = heads_per_section(seqlen_q, d, 4, num_hb)
+    section = heads_per_section(seqlen_q, d, 4, num_hb, causal)
     if not persistent:
         return None, section
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -553,7 +554,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     pre(out, dout, lse, lse_log2, dpsum, dq_accum, *NO_VARLEN_Q)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
-         *_sched_args(persistent, q.device, sq, d, b * h))
+         *_sched_args(persistent, q.device, sq, d, b * h, causal))
     post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
@@ -615,7 +616,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
          used_k,
-         *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), d, batch * h))
+         *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), d, batch * h, causal))
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)

@@ -152,23 +152,28 @@ def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):
 
 
 # Bytes of shared operands (forward: K and V; backward: Q, dO, dQaccum) one L2 section may hold.
-# Far below the H200's 60 MB: with 50 MB, a 1k-token call's section spanned 32-64 heads, so the
-# CTAs in flight covered 2-4 blocks of each head and its other blocks re-read the operands
-# from HBM (ncu, backward d=128 s=1k: DRAM 41% busy vs FA4's 24%, twice the bytes). Sections
-# of 8 MB (bench/exp_section.py, H200, docs/performance.md session 11): +3-6% at s=1k (forward
-# d=128 / 256, backward d=64), within the run-to-run noise (+-2%) at 4k and 16k.
+# Non-causal: far below the H200's 60 MB. With 50 MB a 1k-token call's section spanned 32-64
+# heads, so the CTAs in flight covered 2-4 blocks of each head and its other blocks re-read the
+# operands from HBM (ncu, backward d=128 s=1k: DRAM 41% busy vs FA4's 24%, about twice the
+# bytes). 8 MB, interleaved with 50 MB over the grid (bench/exp_section.py --grid, H200,
+# docs/performance.md session 11): geomean +3.1% forward, +1.6% backward, no cell below -0.3%.
+# Causal keeps 50 MB: the longest-first order spans a section, and there the same run was
+# neutral (geomean -0.7% / +0.0%, d=256 s=4k -6% / -3%).
 L2_SECTION_BYTES = 8 * 1024 * 1024
+L2_SECTION_BYTES_CAUSAL = 50 * 1024 * 1024
 
 
-def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int) -> int:
+def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int,
+                      causal: bool = False) -> int:
     """Largest power of two of heads whose shared operands (two (seqlen_k, head_dim) tensors of
-    ``elem_bytes`` each) fit in L2_SECTION_BYTES together (>= 1).
+    ``elem_bytes`` each) fit in L2_SECTION_BYTES (causal: L2_SECTION_BYTES_CAUSAL) together
+    (>= 1).
 
     The tile scheduler launches one such section of heads before the next, so the CTAs running
     at the same time cover few heads and re-read their operands from L2 rather than from HBM.
     """
     per_head = max(seqlen_k * head_dim * 2 * elem_bytes, 1)
-    n = max(L2_SECTION_BYTES // per_head, 1)
+    n = max((L2_SECTION_BYTES_CAUSAL if causal else L2_SECTION_BYTES) // per_head, 1)
     return min(1 << (n.bit_length() - 1), max(num_hb, 1))
 
 

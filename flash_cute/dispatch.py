@@ -246,7 +246,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
                             persistent=ctas is not None, dynamic=dynamic, narrow=narrow,
                             own_o=fwd_own_o(d, causal, sk))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           heads_per_section(sk, d, q.element_size(), b * h), *NO_VARLEN, ctas,
+           heads_per_section(sk, d, q.element_size(), b * h, causal), *NO_VARLEN, ctas,
            new_tile_counter(q.device) if dynamic else None)
     return out, lse
 
@@ -287,7 +287,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     # The grid numbers only existing query blocks (kernels/common/scheduler.py); max_seqlen_k
     # only sizes the L2 sections.
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           heads_per_section(max_seqlen_k, d, q.element_size(), batch * h), cu_seqlens_q,
+           heads_per_section(max_seqlen_k, d, q.element_size(), batch * h, causal), cu_seqlens_q,
            cu_seqlens_k, used_q, used_k, None, None)
     return out, lse
 
