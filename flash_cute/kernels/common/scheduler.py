@@ -5,8 +5,10 @@ A tile is one block of rows (the forward: a query block; the backward: a key blo
 coordinates:
 
 - The (batch x head) pairs are cut into sections of ``section`` heads (chosen on the host by
-  ``flash_cute.config.heads_per_section``) whose shared operand fits in L2 (the forward's K/V,
-  the backward's Q/dO/dQaccum); a section's tiles come before the next section's.
+  ``flash_cute.config.heads_per_section``) whose shared operands (the forward's K/V, the
+  backward's Q/dO/dQaccum) fit a budget well below the L2 (non-causal: 8 MB, so the tiles in
+  flight cover few heads and all of their blocks); a section's tiles come before the next
+  section's.
 - Inside a section the heads vary fastest, then the block, so tiles running at the same time
   share a few heads' operands in L2, and each (head, batch) meets its blocks in block order
   (``reverse_blocks``: descending).
