@@ -34,10 +34,14 @@ def deal(num_blocks, num_hb, section, ctas, causal=True):
 
 
 if __name__ == "__main__":
-    for d, s in [(64, 16384), (128, 16384), (256, 16384), (128, 2048), (256, 1024)]:
+    # Causal tiles dealt in sections of the causal budget (shipped) and of the non-causal one
+    # (config.L2_SECTION_BYTES, what causal calls would get with it).
+    for d, s in [(64, 16384), (128, 16384), (256, 16384), (128, 2048), (256, 1024),
+                 (256, 4096)]:
         tile_m = 192 if d == 64 else 128
         num_hb = (16384 // s) * (2048 // d)
-        section = heads_per_section(s, d, 2, num_hb, causal=True)
-        st, dy = deal(-(-s // tile_m), num_hb, section, SMS)
-        print(f"d={d} s={s} causal: section={section} heads, max/mean static {st:.2f}, "
-              f"dynamic {dy:.3f}")
+        for causal_budget in (True, False):
+            section = heads_per_section(s, d, 2, num_hb, causal=causal_budget)
+            st, dy = deal(-(-s // tile_m), num_hb, section, SMS)
+            print(f"d={d} s={s} causal, {'causal' if causal_budget else 'non-causal'} budget: "
+                  f"section={section} heads, max/mean static {st:.2f}, dynamic {dy:.3f}")
