@@ -10,34 +10,7 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flash_cute import backward, dispatch
-
-
-def calls_for(direction, d, s, causal):
-    b, h = max(1, 16384 // s), 2048 // d
-    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(4))
-    scale = d ** -0.5
-    out, lse = dispatch.fwd(q, k, v, softmax_scale=scale, causal=causal)
-    if direction == "fwd":
-        calls = {"flash_cute": lambda: dispatch.fwd(q, k, v, softmax_scale=scale,
-                                                    causal=causal)}
-    else:
-        calls = {"flash_cute": lambda: backward.bwd(do, q, k, v, out, lse, softmax_scale=scale,
-                                                    causal=causal)}
-    try:
-        from flash_attn.cute import flash_attn_func as fa4
-    except ImportError as e:
-        print("fa4 unavailable:", e)
-        return calls
-    if direction == "fwd":
-        calls["fa4"] = lambda: fa4(q, k, v, causal=causal)
-    else:
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        o4 = fa4(*leaves, causal=causal)
-        o4 = o4[0] if isinstance(o4, tuple) else o4
-        calls["fa4"] = lambda: torch.autograd.grad(o4, leaves, do, retain_graph=True)
-    return calls
+from prof_pair import calls_for  # bench/ is on sys.path when run as a script
 
 
 def kernel_table(fn, n):

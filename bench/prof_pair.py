@@ -12,41 +12,55 @@ import torch
 
 from flash_cute import backward, dispatch
 
-p = argparse.ArgumentParser()
-p.add_argument("--dir", choices=("fwd", "bwd"), default="bwd")
-p.add_argument("--causal", action="store_true")
-p.add_argument("--d", type=int, default=128)
-p.add_argument("--s", type=int, default=4096)
-a = p.parse_args()
-d, s, causal = a.d, a.s, a.causal
-b, h = max(1, 16384 // s), 2048 // d
-q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-scale = d ** -0.5
-out, lse = dispatch.fwd(q, k, v, softmax_scale=scale, causal=causal)
-if a.dir == "fwd":
-    calls = {"flash_cute": lambda: dispatch.fwd(q, k, v, softmax_scale=scale, causal=causal)}
-else:
-    calls = {"flash_cute": lambda: backward.bwd(do, q, k, v, out, lse, softmax_scale=scale,
-                                                causal=causal)}
-try:
-    from flash_attn.cute import flash_attn_func as fa4
 
-    if a.dir == "fwd":
+def calls_for(direction, d, s, causal):
+    """{"flash_cute": call, "fa4": call (if installed)}: one forward or backward of the
+    benchmark grid's shape (bf16, 16k tokens, 2048 / d heads); the forward before a backward
+    runs here, outside the calls."""
+    b, h = max(1, 16384 // s), 2048 // d
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    scale = d ** -0.5
+    out, lse = dispatch.fwd(q, k, v, softmax_scale=scale, causal=causal)
+    if direction == "fwd":
+        calls = {"flash_cute": lambda: dispatch.fwd(q, k, v, softmax_scale=scale,
+                                                    causal=causal)}
+    else:
+        calls = {"flash_cute": lambda: backward.bwd(do, q, k, v, out, lse, softmax_scale=scale,
+                                                    causal=causal)}
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError as e:
+        print("fa4 unavailable:", e)
+        return calls
+    if direction == "fwd":
         calls["fa4"] = lambda: fa4(q, k, v, causal=causal)
     else:
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         o4 = fa4(*leaves, causal=causal)
         o4 = o4[0] if isinstance(o4, tuple) else o4
         calls["fa4"] = lambda: torch.autograd.grad(o4, leaves, do, retain_graph=True)
-except ImportError as e:
-    print("fa4 unavailable:", e)
+    return calls
 
-for fn in calls.values():
-    fn(), fn()
-torch.cuda.synchronize()
-torch.cuda.profiler.start()
-for name, fn in calls.items():
-    fn()
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", choices=("fwd", "bwd"), default="bwd")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--s", type=int, default=4096)
+    a = p.parse_args()
+    calls = calls_for(a.dir, a.d, a.s, a.causal)
+    for fn in calls.values():
+        fn(), fn()
     torch.cuda.synchronize()
-    print("profiled", name, flush=True)
-torch.cuda.profiler.stop()
+    torch.cuda.profiler.start()
+    for name, fn in calls.items():
+        fn()
+        torch.cuda.synchronize()
+        print("profiled", name, flush=True)
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
