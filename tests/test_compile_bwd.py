@@ -398,9 +398,10 @@ def test_fused_bwd_env_flag(monkeypatch):
     assert not backward.persistent_bwd_enabled()
     monkeypatch.setenv(backward.PERSISTENT_ENV, "1")
     assert backward.persistent_bwd_enabled()
-    # One tile per CTA: no SM count, but the L2 section of the tile numbering (8 heads of
-    # Q + dO + dQaccum at 4 MB each fit the 50 MB budget).
-    assert backward._sched_args(False, None, 4096, 128, 32) == (None, 8)
+    # One tile per CTA: no SM count, but the L2 section of the tile numbering (Q + dO +
+    # dQaccum at 4 MB per head: 2 heads fit the non-causal 8 MB budget, 8 the causal 50 MB).
+    assert backward._sched_args(False, None, 4096, 128, 32, causal=False) == (None, 2)
+    assert backward._sched_args(False, None, 4096, 128, 32, causal=True) == (None, 8)
 
 
 # ------------------------------------------------------------- float64 emulation of the plan
