@@ -90,7 +90,7 @@ for d, s, causal in cells:
             times[sec].append(timeit(fn, reps=5))
     choice["section"] = None
     auto = config.heads_per_section(s, d, 4 if args.dir == "bwd" else 2, b * h, causal)
-    cells = " ".join(f"{sec}={flops / sorted(t)[len(t) // 2] / 1e9:.0f}"
+    rates = " ".join(f"{sec}={flops / sorted(t)[len(t) // 2] / 1e9:.0f}"
                      for sec, t in times.items())
-    print(f"{args.dir} d={d} s={s} causal={int(causal)} (auto={auto}) TFLOP/s: {cells}",
+    print(f"{args.dir} d={d} s={s} causal={int(causal)} (auto={auto}) TFLOP/s: {rates}",
           flush=True)
