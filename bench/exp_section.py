@@ -27,18 +27,13 @@ args = ap.parse_args()
 choice = {"section": None}  # None: config.heads_per_section's
 
 
-def budget_section(budget, seqlen, d, elem_bytes, num_hb):
-    """heads_per_section with an L2 budget of ``budget`` bytes instead of L2_SECTION_BYTES."""
-    n = max(budget // max(seqlen * d * 2 * elem_bytes, 1), 1)
-    return min(1 << (n.bit_length() - 1), max(num_hb, 1))
-
-
 def patched(seqlen, d, elem_bytes, num_hb, causal=False):
     sec = choice["section"]
     if sec is None:
         return config.heads_per_section(seqlen, d, elem_bytes, num_hb, causal)
     if isinstance(sec, str):  # "50MB": an L2 budget (the one before session 11: 50MB)
-        return budget_section(int(sec[:-2]) << 20, seqlen, d, elem_bytes, num_hb)
+        return config.heads_per_section(seqlen, d, elem_bytes, num_hb,
+                                        budget=int(sec[:-2]) << 20)
     return min(sec, num_hb)
 
 

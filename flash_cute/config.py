@@ -2,6 +2,7 @@
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -164,16 +165,18 @@ L2_SECTION_BYTES_CAUSAL = 50 * 1024 * 1024
 
 
 def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int,
-                      causal: bool = False) -> int:
+                      causal: bool = False, budget: Optional[int] = None) -> int:
     """Largest power of two of heads whose shared operands (two (seqlen_k, head_dim) tensors of
-    ``elem_bytes`` each) fit in L2_SECTION_BYTES (causal: L2_SECTION_BYTES_CAUSAL) together
-    (>= 1).
+    ``elem_bytes`` each) fit in L2_SECTION_BYTES (causal: L2_SECTION_BYTES_CAUSAL; ``budget``
+    bytes if given, for experiments) together (>= 1).
 
     The tile scheduler launches one such section of heads before the next, so the CTAs running
     at the same time cover few heads and re-read their operands from L2 rather than from HBM.
     """
     per_head = max(seqlen_k * head_dim * 2 * elem_bytes, 1)
-    n = max((L2_SECTION_BYTES_CAUSAL if causal else L2_SECTION_BYTES) // per_head, 1)
+    if budget is None:
+        budget = L2_SECTION_BYTES_CAUSAL if causal else L2_SECTION_BYTES
+    n = max(budget // per_head, 1)
     return min(1 << (n.bit_length() - 1), max(num_hb, 1))
 
 

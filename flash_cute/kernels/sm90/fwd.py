@@ -112,6 +112,7 @@ WG_THREADS = 128
 # only issues TMA, so its registers go to the consumers; 128*load + 128*n*consumer <= 64K.
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
+STORE_WARP = WG_THREADS // 32  # the first consumer warp: issues the O TMA store, frees sO / sQ
 
 
 class Barrier(enum.IntEnum):
@@ -585,7 +586,7 @@ class FlashFwdSm90:
             store_threads = self.num_consumer_threads + 32
             cute.arch.barrier_arrive(barrier_id=int(Barrier.EPILOGUE),
                                      number_of_threads=store_threads)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
                 cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE),
                                   number_of_threads=store_threads)
                 gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d),
@@ -606,6 +607,6 @@ class FlashFwdSm90:
         and after each store has read sO; every consumer thread waits on it before writing sO
         (the count includes warp 4 twice, as EPILOGUE's). The last arrive stays pending."""
         if const_expr(self.cfg.own_o):
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 4:
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.O_FREE),
                                          number_of_threads=self.num_consumer_threads + 32)
