@@ -9,14 +9,15 @@ Every variant is checked against the oracle first. A variant whose overrides are
 (persistent: where it does not compile clean) is skipped there.
 """
 import argparse
+import dataclasses
 import math
 
 import torch
 
 from check_fwd import timeit
 from flash_cute import dispatch
-from flash_cute.config import (OWN_O, OWN_O_HEAD_DIMS, fwd_overrides, fwd_own_o,
-                               heads_per_section, persistent_fwd_overrides)
+from flash_cute.config import (OWN_O, OWN_O_HEAD_DIMS, FwdSm90Config, fwd_overrides, fwd_own_o,
+                               l2_sections, persistent_fwd_overrides)
 from flash_cute.reference import attention_ref, check_close
 
 VARIANTS = {
@@ -109,14 +110,16 @@ ap.add_argument("--d", type=int, nargs="+", help="only the shapes of these head 
 args = ap.parse_args()
 
 
-def run(compiled, q, k, v, section=None, ctas=None, dynamic=False, causal=False):
+def run(compiled, q, k, v, tile_m, section=None, ctas=None, dynamic=False, causal=False):
+    """section None: config.l2_sections' order (as dispatch.fwd); a number or "all": sections
+    of that many heads, none merged into a tail."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
     num_hb = q.shape[0] * q.shape[2]
-    sec = {None: heads_per_section(k.shape[1], q.shape[-1], 2, num_hb, causal),
-           "all": num_hb}.get(
-        section, section)
-    compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), sec,
+    sections = (l2_sections(k.shape[1], q.shape[-1], 2, num_hb, -(-q.shape[1] // tile_m),
+                            ctas or dispatch.num_sms(q.device), causal) if section is None
+                else (num_hb if section == "all" else section, num_hb))
+    compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), *sections,
              *dispatch.NO_VARLEN, ctas,
              dispatch.new_tile_counter(q.device) if dynamic else None)
     return out
@@ -142,13 +145,15 @@ for d, s, causal in [shape for name in args.shapes for shape in SHAPES[name]
             compiled[key] = dispatch._compile_fwd(dispatch.DEFAULT_ARCH, "BFloat16", d, causal,
                                                   **kw)
         comp = compiled[key]
+        tile_m = dataclasses.replace(FwdSm90Config.for_head_dim(d), **kw).tile_m
         qs, ks, vs = (t[:2, :777] for t in (q, k, v))
         ref, _ = attention_ref(qs, ks, vs, causal=causal)
         low, _ = attention_ref(qs, ks, vs, causal=causal, upcast=False)
         # Persistent: checked with a few CTAs (7: uneven rounds), so each walks many tiles.
-        check_close(run(comp, qs, ks, vs, section, ctas and CHECK_CTAS, dyn, causal), ref, low)
-        fns[name] = (lambda comp=comp, section=section, ctas=ctas, dyn=dyn:
-                     run(comp, q, k, v, section, ctas, dyn, causal))
+        check_close(run(comp, qs, ks, vs, tile_m, section, ctas and CHECK_CTAS, dyn, causal),
+                    ref, low)
+        fns[name] = (lambda comp=comp, tm=tile_m, section=section, ctas=ctas, dyn=dyn:
+                     run(comp, q, k, v, tm, section, ctas, dyn, causal))
     times = {n: [] for n in fns}
     for _ in range(ROUNDS):
         for n, fn in fns.items():

@@ -1,11 +1,13 @@
-"""Experiment: the L2 section size (heads per section, kernels/common/scheduler.py) of the
-forward and backward tile orders, timed interleaved in one process. The section is a runtime
-argument (no recompilation): config.heads_per_section's choice ("auto") against fixed sizes;
-1 numbers a head's blocks consecutively (FA4's grid order); "<n>MB" sizes sections by that L2
-budget instead of config.L2_SECTION_BYTES.
+"""Experiment: the L2 sections (kernels/common/scheduler.py: heads per section, and the tail
+section from which the rest are merged) of the forward and backward tile orders, timed
+interleaved in one process. Both are runtime arguments (no recompilation): config.l2_sections'
+choice ("auto") against fixed sizes; 1 numbers a head's blocks consecutively (FA4's grid
+order); "<n>MB" sizes sections by that L2 budget instead of config.L2_SECTION_BYTES(_CAUSAL),
+with config.tail_section's tail; "<n>MB-notail" and plain numbers merge nothing; "<n>:<t>"
+merges sections t, t + 1, ... of n heads.
 
     python bench/exp_section.py --dir bwd --cells 128:1024:0,64:1024:0 --sections auto 16 4 1
-    python bench/exp_section.py --dir fwd --grid --sections auto 50MB
+    python bench/exp_section.py --dir fwd --grid --sections auto 50MB 8MB-notail
 """
 import argparse
 
@@ -24,21 +26,27 @@ ap.add_argument("--grid", action="store_true", help="the benchmark grid's 18 cel
 ap.add_argument("--sections", nargs="+", default=["auto", "16", "4", "1"])
 args = ap.parse_args()
 
-choice = {"section": None}  # None: config.heads_per_section's
+choice = {"section": "auto"}
 
 
-def patched(seqlen, d, elem_bytes, num_hb, causal=False):
+def patched(seqlen, d, elem_bytes, num_hb, num_blocks, ctas, causal):
     sec = choice["section"]
-    if sec is None:
-        return config.heads_per_section(seqlen, d, elem_bytes, num_hb, causal)
-    if isinstance(sec, str):  # "50MB": an L2 budget (the one before session 11: 50MB)
-        return config.heads_per_section(seqlen, d, elem_bytes, num_hb,
-                                        budget=int(sec[:-2]) << 20)
-    return min(sec, num_hb)
+    if sec == "auto":
+        return config.l2_sections(seqlen, d, elem_bytes, num_hb, num_blocks, ctas, causal)
+    if sec.endswith("MB") or sec.endswith("MB-notail"):  # an L2 budget (before session 11: 50)
+        section = config.heads_per_section(seqlen, d, elem_bytes, num_hb,
+                                           budget=int(sec.split("MB")[0]) << 20)
+        tail = (num_hb if sec.endswith("notail")
+                else config.tail_section(num_hb, section, num_blocks, ctas, causal))
+        return section, tail
+    if ":" in sec:  # "<n>:<t>": sections of n heads, merged from section t on
+        section, tail = (int(x) for x in sec.split(":"))
+        return min(section, num_hb), tail
+    return min(int(sec), num_hb), num_hb
 
 
-dispatch.heads_per_section = patched
-backward.heads_per_section = patched
+dispatch.l2_sections = patched
+backward.l2_sections = patched
 
 
 def grads(q, k, v, dout, upcast, causal):
@@ -49,16 +57,16 @@ def grads(q, k, v, dout, upcast, causal):
 
 
 # A different tile order must not change the gradients' correctness (deterministic mode relies
-# on a head's key blocks being numbered in order, which every section size keeps).
+# on a head's key blocks being numbered in order, which every section size and tail keeps).
 q, k, v, do = (torch.randn(3, 333, 6, 128, device="cuda", dtype=torch.bfloat16)
                for _ in range(4))
-for sec in (1, 2):
+for sec in ("1", "2", "2:3"):
     choice["section"] = sec
     out, lse = dispatch.fwd(q, k, v, softmax_scale=128 ** -0.5, causal=True)
     got = backward.bwd(do, q, k, v, out, lse, softmax_scale=128 ** -0.5, causal=True,
                        deterministic=True)
     check_grads_close(got, *(grads(q, k, v, do, up, True) for up in (True, False)))
-print("section 1 / 2: gradients pass the oracle check", flush=True)
+print("sections 1 / 2 / 2 with a tail: gradients pass the oracle check", flush=True)
 
 cells = [tuple(int(x) for x in c.split(":")) for c in args.cells.split(",")]
 if args.grid:
@@ -80,10 +88,9 @@ for d, s, causal in cells:
     times = {sec: [] for sec in args.sections}
     for _ in range(ROUNDS):
         for sec in args.sections:
-            choice["section"] = (None if sec == "auto" else sec if sec.endswith("MB")
-                                 else int(sec))
+            choice["section"] = sec
             times[sec].append(timeit(fn, reps=5))
-    choice["section"] = None
+    choice["section"] = "auto"
     auto = config.heads_per_section(s, d, 4 if args.dir == "bwd" else 2, b * h, causal)
     rates = " ".join(f"{sec}={flops / sorted(t)[len(t) // 2] / 1e9:.0f}"
                      for sec, t in times.items())

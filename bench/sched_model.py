@@ -8,15 +8,18 @@ and an atomic tile counter would do for a persistent one). max/mean bounds the t
 """
 import heapq
 
-from flash_cute.config import heads_per_section
+from flash_cute.config import heads_per_section, tail_section
 from flash_cute.kernels.common import scheduler
 
 SMS = 132
 
 
-def deal(num_blocks, num_hb, section, ctas, causal=True):
+def deal(num_blocks, num_hb, section, ctas, causal=True, tail=None):
+    """tail: the tail_section (None: none merged)."""
+    tail = num_hb if tail is None else tail
+
     def work(t):
-        block = scheduler.tile_coords(t, num_blocks, num_hb, num_hb, section, True)[0]
+        block = scheduler.tile_coords(t, num_blocks, num_hb, num_hb, section, tail, True)[0]
         return block + 1 if causal else num_blocks
     tiles = num_blocks * num_hb
     static = [0] * ctas
@@ -34,14 +37,16 @@ def deal(num_blocks, num_hb, section, ctas, causal=True):
 
 
 if __name__ == "__main__":
-    # Causal tiles dealt in sections of the causal budget (shipped) and of the non-causal one
-    # (config.L2_SECTION_BYTES, what causal calls would get with it).
+    # Causal tiles dealt in sections of the causal budget (shipped), of the non-causal one
+    # (config.L2_SECTION_BYTES) alone, and of the latter with config.tail_section's tail.
     for d, s in [(64, 16384), (128, 16384), (256, 16384), (128, 2048), (256, 1024),
-                 (256, 4096)]:
-        tile_m = 192 if d == 64 else 128
-        num_hb = (16384 // s) * (2048 // d)
-        for causal_budget in (True, False):
+                 (256, 4096), (64, 1024), (128, 1024), (128, 4096)]:
+        tile_m = 192 if d == 64 and s > 1024 else 128
+        num_hb, num_blocks = (16384 // s) * (2048 // d), -(-s // tile_m)
+        for name, causal_budget, merge in (("causal", True, True), ("non-causal", False, False),
+                                           ("non-causal + tail", False, True)):
             section = heads_per_section(s, d, 2, num_hb, causal=causal_budget)
-            st, dy = deal(-(-s // tile_m), num_hb, section, SMS)
-            print(f"d={d} s={s} causal, {'causal' if causal_budget else 'non-causal'} budget: "
-                  f"section={section} heads, max/mean static {st:.2f}, dynamic {dy:.3f}")
+            tail = tail_section(num_hb, section, num_blocks, SMS, True) if merge else None
+            st, dy = deal(num_blocks, num_hb, section, SMS, tail=tail)
+            print(f"d={d} s={s} causal, {name} budget: section={section} heads, "
+                  f"max/mean static {st:.2f}, dynamic {dy:.3f}")

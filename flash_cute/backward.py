@@ -68,7 +68,7 @@ import threading
 import torch
 
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80,
-                     BWD_WIDE_HEAD_DIMS, BwdSm90Config, heads_per_section)
+                     BWD_WIDE_HEAD_DIMS, BwdSm90Config, l2_sections)
 from .dispatch import NO_VARLEN, compile_kernel
 from .kernels.common.seqlen import pad_offset
 
@@ -115,21 +115,23 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sched_args(persistent: bool, device: torch.device, seqlen_q: int, d: int, num_hb: int,
-                causal: bool):
-    """(SM count or None, heads per L2 section) for the main kernel's tile order.
+def _sched_args(persistent: bool, device: torch.device, seqlen_q: int, seqlen_k: int,
+                tile_n: int, d: int, num_hb: int, causal: bool):
+    """(SM count or None, heads per L2 section, tail_section) for the main kernel's tile order.
 
     A section's heads keep what every key block of a head re-reads in L2: Q and dO (2 bytes
     per element) and dQaccum (4), so 8 bytes per (row, d) element: heads_per_section's
-    2 * elem_bytes with elem_bytes = 4. The SM count bounds the persistent grid only."""
-    section = heads_per_section(seqlen_q, d, 4, num_hb, causal)
+    2 * elem_bytes with elem_bytes = 4. The SM count bounds the persistent grid only; causal
+    calls size the tail section by it too (config.tail_section; the device is read only then)."""
+    sms = (_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+           if persistent or causal else 1)
+    sections = l2_sections(seqlen_q, d, 4, num_hb, -(-seqlen_k // tile_n), sms, causal)
     if not persistent:
-        return None, section
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return None, *sections
     override = int(os.environ.get(NUM_SMS_ENV, "0"))
     if override > 0:  # never more CTAs than SMs: the deterministic waits need them all resident
-        num_sms = min(override, num_sms)
-    return num_sms, section
+        sms = min(override, sms)
+    return sms, *sections
 
 
 def unsupported_bwd_option(*, head_dim: int, window_size=(-1, -1),
@@ -291,8 +293,8 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
                 cutlass.Int32, sem_shape, stride_order=tuple(range(len(sem_shape)))[::-1],
                 assumed_align=4),
             cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args,
-            # SM count (persistent only, else None) and heads per L2 section: runtime values.
-            cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1))
+            # SM count (persistent only, else None) and the L2 sections: runtime values.
+            cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1), cutlass.Int32(1))
     return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 
@@ -554,7 +556,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     pre(out, dout, lse, lse_log2, dpsum, dq_accum, *NO_VARLEN_Q)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
-         *_sched_args(persistent, q.device, sq, d, b * h, causal))
+         *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal))
     post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
@@ -616,7 +618,8 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
          used_k,
-         *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), d, batch * h, causal))
+         *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), max_seqlen_k,
+                      cfg.tile_n, d, batch * h, causal))
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)

@@ -180,6 +180,31 @@ def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int
     return min(1 << (n.bit_length() - 1), max(num_hb, 1))
 
 
+# Causal: the last sections are merged into one holding at least this many tiles per CTA in
+# flight, dealt longest first. bench/sched_model.py (dynamic deal, 8 MB sections): max / mean
+# work per CTA <= 1.018 over the grid with 3 (none merged: up to 1.107, d=256 s=4k).
+TAIL_TILES_PER_CTA = 3
+
+
+def tail_section(num_hb: int, section: int, num_blocks: int, ctas: int, causal: bool) -> int:
+    """The scheduler's ``tail_section``: the first of the sections merged into the last one.
+    Non-causal tiles are equal (nothing merged: the section count); causal merges the last
+    sections into one of >= TAIL_TILES_PER_CTA * ``ctas`` tiles of ``num_blocks`` each."""
+    num_sections = -(-num_hb // section)
+    if not causal:
+        return num_sections
+    tail_heads = -(-TAIL_TILES_PER_CTA * ctas // max(num_blocks, 1))
+    return max(num_hb - tail_heads, 0) // section
+
+
+def l2_sections(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int, num_blocks: int,
+                ctas: int, causal: bool):
+    """(heads per section, tail_section): one batched call's tile order (runtime arguments of
+    the kernels). ``num_blocks``: tiles per (batch, head); ``ctas``: CTAs in flight."""
+    section = heads_per_section(seqlen_k, head_dim, elem_bytes, num_hb, causal)
+    return section, tail_section(num_hb, section, num_blocks, ctas, causal)
+
+
 BWD_SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # The wide kernel's d=256 prefetch (kernels/sm90/bwd_wide.py): Q of the next query block loads
 # during the whole current one (2 Q stages), dO from the current one's dV on (1 dO stage,

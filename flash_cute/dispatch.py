@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, fwd_overrides, fwd_tile_m,
-                     fwd_own_o, heads_per_section, narrow_fwd, persistent_fwd_overrides,
+from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, fwd_overrides, fwd_own_o, fwd_tile_m,
+                     heads_per_section, l2_sections, narrow_fwd, persistent_fwd_overrides,
                      persistent_fwd_walk)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
@@ -105,7 +105,8 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     tensors, varlen_args = _fake_args(dtype_name, d, varlen)
     max_ctas = cutlass.Int32(1) if cfg.persistent else None  # a runtime value: any SM count
     counter = _fake_tile_counter() if cfg.dynamic else None
-    args = (*tensors, cutlass.Float32(1.0), cutlass.Int32(1), *varlen_args, max_ctas, counter)
+    sections = (cutlass.Int32(1), cutlass.Int32(1))  # runtime: config.l2_sections
+    args = (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter)
     return compile_kernel(kernel, args, keep_cubin)
 
 
@@ -245,9 +246,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                             persistent=ctas is not None, dynamic=dynamic, narrow=narrow,
                             own_o=fwd_own_o(d, causal, sk))
+    sections = l2_sections(sk, d, q.element_size(), b * h, -(-sq // fwd_tile_m(d, narrow)),
+                           ctas or num_sms(q.device), causal)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           heads_per_section(sk, d, q.element_size(), b * h, causal), *NO_VARLEN, ctas,
-           new_tile_counter(q.device) if dynamic else None)
+           *sections, *NO_VARLEN, ctas, new_tile_counter(q.device) if dynamic else None)
     return out, lse
 
 
@@ -285,10 +287,10 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
     # The grid numbers only existing query blocks (kernels/common/scheduler.py); max_seqlen_k
-    # only sizes the L2 sections.
+    # only sizes the L2 sections (per sequence: the tail section is not used).
+    section = heads_per_section(max_seqlen_k, d, q.element_size(), batch * h, causal)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           heads_per_section(max_seqlen_k, d, q.element_size(), batch * h, causal), cu_seqlens_q,
-           cu_seqlens_k, used_q, used_k, None, None)
+           section, h, cu_seqlens_q, cu_seqlens_k, used_q, used_k, None, None)
     return out, lse
 
 

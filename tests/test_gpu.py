@@ -397,18 +397,19 @@ def test_grads_deterministic(d, causal, hk):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_l2_section_size_changes_order_not_results(causal, monkeypatch):
-    """The L2 section size (config.heads_per_section, a runtime argument) only reorders tiles:
-    per launch style (one tile per CTA, the static and the dynamic persistent walks, which may
-    take different key blocks) the forward and the deterministic backward are bitwise equal
-    for sections of 1, 2 and all (batch, head) pairs, and right."""
+    """The L2 sections (config.l2_sections: heads per section and the tail section, runtime
+    arguments) only reorder tiles: per launch style (one tile per CTA, the static and the
+    dynamic persistent walks, which may take different key blocks) the forward and the
+    deterministic backward are bitwise equal for sections of 1, 2 and all (batch, head)
+    pairs, 2 with the last 12 merged and 1 with all merged, and right."""
     q, k, v = qkv_inputs(3, 700, 700, 6, 3, 128, seed=31)
     dout = rand(3, 700, 6, 128, seed=32)
     for mode in ("auto", "ctas=7", "dyn:ctas=5"):
         monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
         runs = []
-        for section in (1, 2, 18):
+        for sections in ((1, 18), (2, 18), (18, 18), (2, 3), (1, 0)):
             for module in (dispatch, backward):
-                monkeypatch.setattr(module, "heads_per_section", lambda *a, _s=section, **kw: _s)
+                monkeypatch.setattr(module, "l2_sections", lambda *a, _s=sections: _s)
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
             _poison_allocator(256 << 20)
             out = flash_attn_func(*leaves, causal=causal, deterministic=True)

@@ -13,25 +13,35 @@ from hypothesis import strategies as st
 from flash_cute.kernels.common import scheduler
 
 
-def order(num_blocks, nheads, batch, section, reverse=False):
+def order(num_blocks, nheads, batch, section, reverse=False, tail=None):
+    """tail: the tail_section (None: none merged, the pair count being past every section)."""
     num_hb = nheads * batch
-    return [scheduler.tile_coords(t, num_blocks, nheads, num_hb, section, reverse)
+    tail = num_hb if tail is None else tail
+    return [scheduler.tile_coords(t, num_blocks, nheads, num_hb, section, tail, reverse)
             for t in range(scheduler.num_tiles(num_blocks, num_hb))]
 
 
-shapes = st.tuples(st.integers(1, 9), st.integers(1, 5), st.integers(1, 4), st.integers(1, 8))
+# (num_blocks, nheads, batch, section, tail_section): tails from 0 (one section) to past the end
+shapes = st.tuples(st.integers(1, 9), st.integers(1, 5), st.integers(1, 4), st.integers(1, 8),
+                   st.integers(0, 21))
 
 
 @given(shapes)
 def test_tile_order_is_a_bijection_blocks_ascending(shape):
-    num_blocks, nheads, batch, section = shape
-    tiles = order(num_blocks, nheads, batch, section)
+    num_blocks, nheads, batch, section, tail = shape
+    tiles = order(num_blocks, nheads, batch, section, tail=tail)
     assert sorted(tiles) == sorted(itertools.product(range(num_blocks), range(nheads),
                                                      range(batch)))
     for h, b in itertools.product(range(nheads), range(batch)):
         assert [n for n, hh, bb in tiles if (hh, bb) == (h, b)] == list(range(num_blocks))
-    rev = order(num_blocks, nheads, batch, section, reverse=True)
+    rev = order(num_blocks, nheads, batch, section, reverse=True, tail=tail)
     assert rev == [(num_blocks - 1 - n, h, b) for n, h, b in tiles]
+    # Sections before the tail are untouched; the tail is one section of every pair left.
+    first = min(tail * section, nheads * batch)
+    assert tiles[:first * num_blocks] == order(num_blocks, nheads, batch, section)[
+        :first * num_blocks]
+    hb = [h + nheads * b for _, h, b in tiles[first * num_blocks:]]
+    assert hb == list(range(first, nheads * batch)) * num_blocks
 
 
 @given(st.lists(st.integers(0, 700), min_size=1, max_size=70), st.sampled_from([64, 128]),
@@ -53,11 +63,11 @@ def test_varlen_order_numbers_only_existing_blocks(lengths, tile_rows, nheads, s
         assert ours == [(n, h, b) for n, h, _ in order(blocks, nheads, 1, section, reverse)]
 
 
-def first_stuck(num_blocks, nheads, batch, section, grid, reverse=False):
+def first_stuck(num_blocks, nheads, batch, section, grid, reverse=False, tail=None):
     """Runs the persistent loop (CTA c: tiles c, c + grid, ...) with key block n of a (head,
     batch) waiting for block n-1's tile: the first blocked state, or None if all finish.
     Whole-tile waits are stronger than the kernel's per-query-block waits."""
-    tiles = order(num_blocks, nheads, batch, section, reverse)
+    tiles = order(num_blocks, nheads, batch, section, reverse, tail)
     queues = [list(range(c, len(tiles), grid)) for c in range(grid)]
     done = set()
     while any(queues):
@@ -73,9 +83,9 @@ def first_stuck(num_blocks, nheads, batch, section, grid, reverse=False):
 
 @given(shapes, st.integers(1, 40))
 def test_persistent_deterministic_waits_cannot_deadlock(shape, grid):
-    num_blocks, nheads, batch, section = shape
+    num_blocks, nheads, batch, section, tail = shape
     grid = min(grid, num_blocks * nheads * batch)
-    assert first_stuck(num_blocks, nheads, batch, section, grid) is None
+    assert first_stuck(num_blocks, nheads, batch, section, grid, tail=tail) is None
 
 
 def test_descending_blocks_would_deadlock():
@@ -134,6 +144,34 @@ def test_l2_section_sizes():
     assert heads_per_section(16384, 256, 4, 8) == 1
     assert heads_per_section(64, 64, 2, 6) == 6
     assert heads_per_section(1, 64, 2, 0) == 1
+
+
+def test_tail_section_merges_enough_causal_tiles():
+    """Non-causal: nothing merged (the section count). Causal: the sections from tail_section on
+    hold >= TAIL_TILES_PER_CTA tiles per CTA (or every pair)."""
+    from flash_cute.config import TAIL_TILES_PER_CTA, tail_section
+    assert tail_section(32, 2, 32, 132, causal=False) == 16
+    assert tail_section(33, 2, 32, 132, causal=False) == 17  # the last section narrower
+    for num_hb, section, num_blocks in [(32, 2, 32), (512, 32, 8), (8, 8, 4), (7, 2, 3)]:
+        tail = tail_section(num_hb, section, num_blocks, 132, causal=True)
+        merged = num_hb - tail * section
+        assert merged >= min(num_hb, TAIL_TILES_PER_CTA * 132 / num_blocks)
+        assert tail == 0 or merged - section < TAIL_TILES_PER_CTA * 132 / num_blocks
+
+
+def test_tail_section_balances_small_causal_sections():
+    """The case the tail is for (bench/sched_model.py): d=256 s=4k causal forward, 32 query
+    blocks, 32 (batch, head) pairs in sections of 2, 132 CTAs dealt dynamically, a tile's work
+    = its key blocks. Longest first inside each section alone starts the last section's long
+    tiles when little work is left (makespan > 1.08 x the mean); the merged tail <= 1.03."""
+    from flash_cute.config import tail_section
+    num_blocks, num_hb, section, grid = 32, 32, 2, 132
+    ends = {}
+    for tail in (None, tail_section(num_hb, section, num_blocks, grid, causal=True)):
+        work = [n + 1 for n, _, _ in order(num_blocks, num_hb, 1, section, True, tail)]
+        ends[tail] = dynamic_walk(work, grid)[2] / (sum(work) / grid)
+    untouched, merged = ends.values()
+    assert untouched > 1.08 and merged <= 1.03
 
 
 @pytest.mark.parametrize("mode", ["yes", "dyn:1x", "dyn:", "dyn:dyn"])

@@ -16,6 +16,10 @@ coordinates:
   shorter. Forward: the last query blocks see the most key blocks (``reverse_blocks=True``).
   Backward: the first key blocks see the most query blocks (``reverse_blocks=False``). The long
   tiles start first and the short ones fill the tail (longest-processing-time first).
+- A longest-first order inside small sections would start the last section's long tiles
+  late, when little work is left to balance them. So the sections from ``tail_section`` on
+  are one wider section (causal: config.tail_section sizes it to a few tiles per CTA), and
+  the schedule ends with one longest-first deal over all of them.
 
 Varlen (packed sequences, ``varlen_tile_coords``): the tiles of sequence 0 come first, then
 sequence 1's, ...; inside a sequence the batched order above with that sequence's block count
@@ -70,14 +74,20 @@ def persistent_grid(count, max_ctas):
 
 
 def tile_coords(tile: Int32, num_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int32,
-                reverse_blocks: bool):
-    """(block, head, batch) of tile number ``tile`` (the module docstring's order).
+                tail_section: Int32, reverse_blocks: bool):
+    """(block, head, batch) of tile number ``tile`` (the module docstring's order). Sections
+    ``tail_section`` onwards are one section (the tail); >= the section count: none merged.
     Branch-free, so it also runs on Python ints (tests/test_scheduler.py)."""
-    sec_idx = tile // (section * num_blocks)
-    in_sec = tile - sec_idx * (section * num_blocks)
-    width = cutlass.min(section, num_hb - sec_idx * section)  # the last section may be narrower
+    sec_idx = cutlass.min(tile // (section * num_blocks), tail_section)
+    first = sec_idx * section  # the section's first (batch x head) pair
+    in_sec = tile - first * num_blocks
+    rest = num_hb - first
+    # The last section may be narrower; the tail ((sec_idx + 1) // (tail_section + 1) == 1,
+    # as sec_idx <= tail_section) takes every pair left.
+    width = (cutlass.min(section, rest)
+             + (sec_idx + 1) // (tail_section + 1) * cutlass.max(rest - section, 0))
     block = in_sec // width
-    hb = sec_idx * section + (in_sec - block * width)
+    hb = first + (in_sec - block * width)
     batch = hb // nheads
     head = hb - batch * nheads
     if reverse_blocks:  # a Python bool
@@ -123,7 +133,8 @@ def varlen_tile_coords(tile: Int32, mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tens
         else:
             before += cute.arch.shuffle_sync(upto, 31)
             group += 32
-    block, head, _ = tile_coords(in_seq, num_blocks, nheads, nheads, section, reverse_blocks)
+    block, head, _ = tile_coords(in_seq, num_blocks, nheads, nheads, section, nheads,
+                                 reverse_blocks)
     return block, head, batch
 
 
@@ -133,7 +144,7 @@ def varlen_tile_coords_model(tile, lengths, tile_rows, nheads, section, reverse_
         count = -(-rows // tile_rows) * nheads
         if tile < count:
             block, head, _ = tile_coords(tile, count // nheads, nheads, nheads, section,
-                                         reverse_blocks)
+                                         nheads, reverse_blocks)
             return block, head, batch
         tile -= count
     return 0, 0, len(lengths)
@@ -141,10 +152,10 @@ def varlen_tile_coords_model(tile, lengths, tile_rows, nheads, section, reverse_
 
 @cute.jit
 def current_tile(num_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int32,
-                 reverse_blocks: cutlass.Constexpr[bool]):
+                 tail_section: Int32, reverse_blocks: cutlass.Constexpr[bool]):
     """The tile of this CTA under ``grid_shape`` (one CTA per tile)."""
     return tile_coords(cute.arch.block_idx()[0], num_blocks, nheads, num_hb, section,
-                       reverse_blocks)
+                       tail_section, reverse_blocks)
 
 
 # Persistent walks. Every role of a CTA (load warp, consumers) runs the same walk, so they agree

@@ -200,7 +200,8 @@ class FlashBwdSm90:
                  mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32, dk_scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-                 num_sms: Optional[Int32], heads_per_section: Int32, stream: cuda.CUstream):
+                 num_sms: Optional[Int32], heads_per_section: Int32, tail_section: Int32,
+                 stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
         dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
@@ -208,8 +209,8 @@ class FlashBwdSm90:
         arguments None. Varlen: the batch mode goes, rows are packed (Q, dO, K, V, dK, dV
         (total, heads, d)) or padded (mLSE, mD (h, rows), mdQaccum (h, rows, d), mSem
         (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32.
-        num_sms bounds the persistent grid (else None); heads_per_section is the scheduler's
-        L2 section (kernels/common/scheduler.py), for both launch styles."""
+        num_sms bounds the persistent grid (else None); heads_per_section and tail_section are
+        the scheduler's L2 sections (kernels/common/scheduler.py), for both launch styles."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
@@ -273,7 +274,8 @@ class FlashBwdSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
 
         self.shared_storage = SharedStorage
-        count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, heads_per_section)[1]
+        sections = (heads_per_section, tail_section)
+        count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, *sections)[1]
         grid = (count, 1, 1)
         if const_expr(self.persistent):
             grid = scheduler.persistent_grid(count, num_sms)
@@ -281,7 +283,7 @@ class FlashBwdSm90:
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                    mSeqUsedK, heads_per_section, tma_dk, tma_dv).launch(
+                    mSeqUsedK, *sections, tma_dk, tma_dv).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -351,7 +353,7 @@ class FlashBwdSm90:
                sdQ_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-               mSeqUsedK: Optional[cute.Tensor], section: Int32,
+               mSeqUsedK: Optional[cute.Tensor], section: Int32, tail_section: Int32,
                tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -382,7 +384,7 @@ class FlashBwdSm90:
 
         tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
                           mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
-        coords, count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, section)
+        coords, count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, section, tail_section)
         if const_expr(self.persistent):
             # Every role walks the same tiles (each_tile) and skips the same empty ones.
             tiles = PersistentTiles(tile_at, coords, count)
@@ -412,7 +414,7 @@ class FlashBwdSm90:
         else:
             pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
 
-    def tile_order(self, mQ, mK, mCuSeqlensK, mSeqUsedK, section):
+    def tile_order(self, mQ, mK, mCuSeqlensK, mSeqUsedK, section, tail_section):
         """(tile number -> (n_block, head, batch), tile count; varlen: a bound). Key blocks
         ascending: the longest first (causal) and n after n-1 (deterministic)."""
         nheads = mQ.shape[2]
@@ -424,7 +426,8 @@ class FlashBwdSm90:
                                                self.tile_n, nheads))
         num_blocks, num_hb = cute.ceil_div(mK.shape[0], self.tile_n), nheads * mQ.shape[3]
         return (partial(scheduler.tile_coords, num_blocks=num_blocks, nheads=nheads,
-                        num_hb=num_hb, section=section, reverse_blocks=False),
+                        num_hb=num_hb, section=section, tail_section=tail_section,
+                        reverse_blocks=False),
                 scheduler.num_tiles(num_blocks, num_hb))
 
     @cute.jit

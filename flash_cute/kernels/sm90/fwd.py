@@ -144,13 +144,15 @@ class FlashFwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, scale_log2: Float32, heads_per_section: Int32,
-                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                 mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+                 tail_section: Int32, mCuSeqlensQ: Optional[cute.Tensor],
+                 mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+                 mSeqUsedK: Optional[cute.Tensor],
                  max_ctas: Optional[Int32], mTileCounter: Optional[cute.Tensor],
                  stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
+        heads_per_section, tail_section: the tile order's L2 sections (common/scheduler.py).
         max_ctas: persistent only (else None), the most CTAs that run at once (SMs x 1).
         mTileCounter: dynamic only (else None), one int32, zero at launch (the host passes a
         fresh zeroed one per call, see dispatch.fwd)."""
@@ -198,8 +200,9 @@ class FlashFwdSm90:
         if const_expr(self.cfg.persistent):
             grid = scheduler.persistent_grid(grid[0], max_ctas)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, tma_q, tma_k, tma_v, tma_o,
-                    scale_log2, heads_per_section, sQ_layout, sK_layout, sV_layout, mma_qk,
-                    mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter).launch(
+                    scale_log2, heads_per_section, tail_section, sQ_layout, sK_layout,
+                    sV_layout, mma_qk, mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                    mTileCounter).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def make_shared_storage(self, sQ_layout, sK_layout, sV_layout):
@@ -230,7 +233,7 @@ class FlashFwdSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_v: cute.CopyAtom, tma_o: cute.CopyAtom, scale_log2: Float32,
-               heads_per_section: Int32, sQ_layout: cute.ComposedLayout,
+               heads_per_section: Int32, tail_section: Int32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
@@ -265,7 +268,8 @@ class FlashFwdSm90:
         nheads, longest_first = mQ.shape[2], self.causal and self.cfg.longest_first
         if const_expr(not self.varlen):
             num_m_blocks, num_batch = cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[3]
-            order = (num_m_blocks, nheads, nheads * num_batch, heads_per_section, longest_first)
+            order = (num_m_blocks, nheads, nheads * num_batch, heads_per_section, tail_section,
+                     longest_first)
         if const_expr(not self.cfg.persistent):
             has_rows = True
             if const_expr(self.varlen):
