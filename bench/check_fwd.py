@@ -10,6 +10,7 @@ import time
 import torch
 
 from flash_cute import dispatch
+from flash_cute.bench import Timing, time_ms
 from flash_cute.reference import attention_ref, check_close
 
 
@@ -47,15 +48,10 @@ def check(b, sq, sk, h, hk, d, causal, dtype=torch.bfloat16, noncontig=False):
 
 
 def timeit(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
+    """Median ms per call, the calls queued back to back (flash_cute.bench.time_ms): each
+    call's events bracket its kernels only. Syncing after every call (before session 12) also
+    timed the host's launch of the first kernel, which swung short cells by up to 13%."""
+    return time_ms(fn, Timing(warmup=5, reps=reps))[0]
 
 
 def bench(d, s, causal):

@@ -89,7 +89,7 @@ for d, s, causal in cells:
     for _ in range(ROUNDS):
         for sec in args.sections:
             choice["section"] = sec
-            times[sec].append(timeit(fn, reps=5))
+            times[sec].append(timeit(fn, reps=10))
     choice["section"] = "auto"
     auto = config.heads_per_section(s, d, 4 if args.dir == "bwd" else 2, b * h, causal)
     rates = " ".join(f"{sec}={flops / sorted(t)[len(t) // 2] / 1e9:.0f}"
