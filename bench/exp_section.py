@@ -2,9 +2,10 @@
 section from which the rest are merged) of the forward and backward tile orders, timed
 interleaved in one process. Both are runtime arguments (no recompilation): config.l2_sections'
 choice ("auto") against fixed sizes; 1 numbers a head's blocks consecutively (FA4's grid
-order); "<n>MB" sizes sections by that L2 budget instead of config.L2_SECTION_BYTES(_CAUSAL),
-with config.tail_section's tail; "<n>MB-notail" and plain numbers merge nothing; "<n>:<t>"
-merges sections t, t + 1, ... of n heads.
+order); "<n>MB" sizes sections by that L2 budget instead of config's (L2_SECTION_BYTES, the
+causal forward's L2_SECTION_BYTES_CAUSAL_FWD), with config.tail_section's tail;
+"<n>MB-notail" and plain numbers merge nothing; "<n>:<t>" merges sections t, t + 1, ... of
+n heads.
 
     python bench/exp_section.py --dir bwd --cells 128:1024:0,64:1024:0 --sections auto 16 4 1
     python bench/exp_section.py --dir fwd --grid --sections auto 50MB 8MB-notail
@@ -29,10 +30,11 @@ args = ap.parse_args()
 choice = {"section": "auto"}
 
 
-def patched(seqlen, d, elem_bytes, num_hb, num_blocks, ctas, causal):
+def patched(seqlen, d, elem_bytes, num_hb, num_blocks, ctas, causal, *budget):
     sec = choice["section"]
     if sec == "auto":
-        return config.l2_sections(seqlen, d, elem_bytes, num_hb, num_blocks, ctas, causal)
+        return config.l2_sections(seqlen, d, elem_bytes, num_hb, num_blocks, ctas, causal,
+                                  *budget)
     if sec.endswith("MB") or sec.endswith("MB-notail"):  # an L2 budget (before session 11: 50)
         section = config.heads_per_section(seqlen, d, elem_bytes, num_hb,
                                            budget=int(sec.split("MB")[0]) << 20)
@@ -91,7 +93,8 @@ for d, s, causal in cells:
             choice["section"] = sec
             times[sec].append(timeit(fn, reps=10))
     choice["section"] = "auto"
-    auto = config.heads_per_section(s, d, 4 if args.dir == "bwd" else 2, b * h, causal)
+    auto = config.heads_per_section(s, d, 4 if args.dir == "bwd" else 2, b * h,
+                                    *([config.fwd_l2_budget(causal)] if args.dir == "fwd" else []))
     rates = " ".join(f"{sec}={flops / sorted(t)[len(t) // 2] / 1e9:.0f}"
                      for sec, t in times.items())
     print(f"{args.dir} d={d} s={s} causal={int(causal)} (auto={auto}) TFLOP/s: {rates}",

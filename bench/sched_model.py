@@ -8,7 +8,7 @@ and an atomic tile counter would do for a persistent one). max/mean bounds the t
 """
 import heapq
 
-from flash_cute.config import heads_per_section, tail_section
+from flash_cute.config import fwd_l2_budget, heads_per_section, tail_section
 from flash_cute.kernels.common import scheduler
 
 SMS = 132
@@ -37,16 +37,17 @@ def deal(num_blocks, num_hb, section, ctas, causal=True, tail=None):
 
 
 if __name__ == "__main__":
-    # Causal tiles dealt in sections of the causal budget (shipped), of the non-causal one
-    # (config.L2_SECTION_BYTES) alone, and of the latter with config.tail_section's tail.
+    # Causal tiles dealt in sections of the causal forward's budget (50 MB), of the 8 MB one
+    # (config.L2_SECTION_BYTES) alone, and of the latter with config.tail_section's tail (the
+    # causal backward's order since session 12).
     for d, s in [(64, 16384), (128, 16384), (256, 16384), (128, 2048), (256, 1024),
                  (256, 4096), (64, 1024), (128, 1024), (128, 4096)]:
         tile_m = 192 if d == 64 and s > 1024 else 128
         num_hb, num_blocks = (16384 // s) * (2048 // d), -(-s // tile_m)
-        for name, causal_budget, merge in (("causal", True, True), ("non-causal", False, False),
-                                           ("non-causal + tail", False, True)):
-            section = heads_per_section(s, d, 2, num_hb, causal=causal_budget)
+        for name, fwd_budget, merge in (("50 MB + tail", True, True), ("8 MB", False, False),
+                                        ("8 MB + tail", False, True)):
+            section = heads_per_section(s, d, 2, num_hb, fwd_l2_budget(fwd_budget))
             tail = tail_section(num_hb, section, num_blocks, SMS, True) if merge else None
             st, dy = deal(num_blocks, num_hb, section, SMS, tail=tail)
-            print(f"d={d} s={s} causal, {name} budget: section={section} heads, "
+            print(f"d={d} s={s} causal, {name}: section={section} heads, "
                   f"max/mean static {st:.2f}, dynamic {dy:.3f}")

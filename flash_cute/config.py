@@ -2,7 +2,6 @@
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -153,36 +152,40 @@ def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):
 
 
 # Bytes of shared operands (forward: K and V; backward: Q, dO, dQaccum) one L2 section may hold.
-# Non-causal: far below the H200's 60 MB. With 50 MB a 1k-token call's section spanned 32-64
-# heads, so the CTAs in flight covered 2-4 blocks of each head and its other blocks re-read the
-# operands from HBM (ncu, backward d=128 s=1k: DRAM 41% busy vs FA4's 24%, about twice the
-# bytes). 8 MB, interleaved with 50 MB over the grid (bench/exp_section.py --grid, H200,
-# docs/performance.md session 11): geomean +3.1% forward, +1.6% backward, no cell below -0.3%.
-# Causal keeps 50 MB: the longest-first order spans a section, and there the same run was
-# neutral (geomean -0.7% / +0.0%, d=256 s=4k -6% / -3%).
+# Far below the H200's 60 MB. With 50 MB a 1k-token call's section spanned 32-64 heads, so the
+# CTAs in flight covered 2-4 blocks of each head and its other blocks re-read the operands from
+# HBM (ncu, backward d=128 s=1k: DRAM 41% busy vs FA4's 24%, about twice the bytes). 8 MB,
+# interleaved with 50 MB over the grid (bench/exp_section.py --grid, H200, docs/performance.md
+# session 11): non-causal geomean +3.1% forward, +1.6% backward, no cell below -0.3%. Causal
+# backward since session 12, with the tail section below: +0..+5% in 7 of 9 cells, -0.7% at
+# d=256 s=16k. The causal forward keeps 50 MB (L2_SECTION_BYTES_CAUSAL_FWD): 8 MB lost up
+# to 3% in 5 of its 9 cells, gained 1-2% in 2 (session 12).
 L2_SECTION_BYTES = 8 * 1024 * 1024
-L2_SECTION_BYTES_CAUSAL = 50 * 1024 * 1024
+L2_SECTION_BYTES_CAUSAL_FWD = 50 * 1024 * 1024
+
+
+def fwd_l2_budget(causal: bool) -> int:
+    """The forward's L2 section budget in bytes (the backward's is L2_SECTION_BYTES)."""
+    return L2_SECTION_BYTES_CAUSAL_FWD if causal else L2_SECTION_BYTES
 
 
 def heads_per_section(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int,
-                      causal: bool = False, budget: Optional[int] = None) -> int:
+                      budget: int = L2_SECTION_BYTES) -> int:
     """Largest power of two of heads whose shared operands (two (seqlen_k, head_dim) tensors of
-    ``elem_bytes`` each) fit in L2_SECTION_BYTES (causal: L2_SECTION_BYTES_CAUSAL; ``budget``
-    bytes if given, for experiments) together (>= 1).
+    ``elem_bytes`` each) fit in ``budget`` bytes together (>= 1).
 
     The tile scheduler launches one such section of heads before the next, so the CTAs running
     at the same time cover few heads and re-read their operands from L2 rather than from HBM.
     """
     per_head = max(seqlen_k * head_dim * 2 * elem_bytes, 1)
-    if budget is None:
-        budget = L2_SECTION_BYTES_CAUSAL if causal else L2_SECTION_BYTES
     n = max(budget // per_head, 1)
     return min(1 << (n.bit_length() - 1), max(num_hb, 1))
 
 
 # Causal: the last sections are merged into one holding at least this many tiles per CTA in
 # flight, dealt longest first. bench/sched_model.py (dynamic deal, 8 MB sections): max / mean
-# work per CTA <= 1.018 over the grid with 3 (none merged: up to 1.107, d=256 s=4k).
+# work per CTA <= 1.023 over its cells with 3 (none merged: up to 1.117, d=256 s=4k). H200
+# (session 12, exp_section.py, causal backward in 8 MB sections): the tail +2..+5% at s=4k.
 TAIL_TILES_PER_CTA = 3
 
 
@@ -198,10 +201,10 @@ def tail_section(num_hb: int, section: int, num_blocks: int, ctas: int, causal: 
 
 
 def l2_sections(seqlen_k: int, head_dim: int, elem_bytes: int, num_hb: int, num_blocks: int,
-                ctas: int, causal: bool):
+                ctas: int, causal: bool, budget: int = L2_SECTION_BYTES):
     """(heads per section, tail_section): one batched call's tile order (runtime arguments of
     the kernels). ``num_blocks``: tiles per (batch, head); ``ctas``: CTAs in flight."""
-    section = heads_per_section(seqlen_k, head_dim, elem_bytes, num_hb, causal)
+    section = heads_per_section(seqlen_k, head_dim, elem_bytes, num_hb, budget)
     return section, tail_section(num_hb, section, num_blocks, ctas, causal)
 
 

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, fwd_overrides, fwd_own_o, fwd_tile_m,
-                     heads_per_section, l2_sections, narrow_fwd, persistent_fwd_overrides,
-                     persistent_fwd_walk)
+from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, fwd_l2_budget, fwd_overrides,
+                     fwd_own_o, fwd_tile_m, heads_per_section, l2_sections, narrow_fwd,
+                     persistent_fwd_overrides, persistent_fwd_walk)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
@@ -247,7 +247,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
                             persistent=ctas is not None, dynamic=dynamic, narrow=narrow,
                             own_o=fwd_own_o(d, causal, sk))
     sections = l2_sections(sk, d, q.element_size(), b * h, -(-sq // fwd_tile_m(d, narrow)),
-                           ctas or num_sms(q.device), causal)
+                           ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            *sections, *NO_VARLEN, ctas, new_tile_counter(q.device) if dynamic else None)
     return out, lse
@@ -288,7 +288,8 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
     # The grid numbers only existing query blocks (kernels/common/scheduler.py); max_seqlen_k
     # only sizes the L2 sections (per sequence: the tail section is not used).
-    section = heads_per_section(max_seqlen_k, d, q.element_size(), batch * h, causal)
+    section = heads_per_section(max_seqlen_k, d, q.element_size(), batch * h,
+                                fwd_l2_budget(causal))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            section, h, cu_seqlens_q, cu_seqlens_k, used_q, used_k, None, None)
     return out, lse

@@ -399,13 +399,13 @@ def test_fused_bwd_env_flag(monkeypatch):
     monkeypatch.setenv(backward.PERSISTENT_ENV, "1")
     assert backward.persistent_bwd_enabled()
     # One tile per CTA: no SM count, but the L2 sections of the tile numbering (Q + dO +
-    # dQaccum at 4 MB per head: 2 heads fit the non-causal 8 MB budget, 8 the causal 50 MB;
-    # non-causal merges no tail (16 sections), causal the last >= 3 * 132 / 32 heads: 16).
+    # dQaccum at 4 MB per head: 2 heads fit the 8 MB budget; non-causal merges no tail (16
+    # sections), causal the last >= 3 * 132 / 32 heads: from section 9 on, 14 heads).
     monkeypatch.setattr(backward, "_num_sms", lambda index: 132)
     assert backward._sched_args(False, None, 4096, 4096, 128, 128, 32, causal=False) == (
         None, 2, 16)
     assert backward._sched_args(False, torch.device("cuda", 0), 4096, 4096, 128, 128, 32,
-                                causal=True) == (None, 8, 2)
+                                causal=True) == (None, 2, 9)
 
 
 # ------------------------------------------------------------- float64 emulation of the plan

@@ -135,12 +135,14 @@ def test_own_o_forward_choice():
 
 def test_l2_section_sizes():
     """Non-causal sections hold L2_SECTION_BYTES of shared operands (a 1k-token call's CTAs in
-    flight then cover few heads), causal ones L2_SECTION_BYTES_CAUSAL; a power of two (or all
+    flight then cover few heads), the causal forward's L2_SECTION_BYTES_CAUSAL_FWD; a power of
+    two (or all
     the (batch, head) pairs, if fewer), at least 1."""
-    from flash_cute.config import heads_per_section
+    from flash_cute.config import fwd_l2_budget, heads_per_section
     assert heads_per_section(1024, 128, 2, 256) == 16      # forward: K, V 512 KB per head
     assert heads_per_section(1024, 128, 4, 256) == 8       # backward: Q, dO, dQaccum 1 MB
-    assert heads_per_section(1024, 128, 2, 256, causal=True) == 64
+    assert heads_per_section(1024, 128, 2, 256, fwd_l2_budget(causal=True)) == 64
+    assert heads_per_section(1024, 128, 2, 256, fwd_l2_budget(causal=False)) == 16
     assert heads_per_section(16384, 256, 4, 8) == 1
     assert heads_per_section(64, 64, 2, 6) == 6
     assert heads_per_section(1, 64, 2, 0) == 1
