@@ -282,7 +282,14 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     if total_q == 0 or k.shape[0] == 0:  # nothing to compute, or no keys anywhere (a TMA
         return out, lse                  # descriptor needs a non-empty K): out 0, lse -inf
     arch = _device_arch(q.device)
-    kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal), varlen=True)
+    tile_m = fwd_tile_m(d, narrow=False)
+    # The persistent choice counts the grid's bound on the tiles, total_q // tile_m + batch
+    # query blocks per head (scheduler.varlen_num_tiles), without reading the lengths.
+    ctas, dynamic = _persistent_ctas(q.device, d, causal, (total_q // tile_m + batch) * tile_m,
+                                     h, tile_m) or (None, False)
+    kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal), varlen=True,
+                            persistent=ctas is not None, dynamic=dynamic,
+                            own_o=fwd_own_o(d, causal, max_seqlen_k))
     # cu_seqlens[b + 1] >= cu_seqlens[b + 1] - cu_seqlens[b]: as seqused it changes nothing.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
@@ -291,7 +298,8 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     section = heads_per_section(max_seqlen_k, d, q.element_size(), batch * h,
                                 fwd_l2_budget(causal))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           section, h, cu_seqlens_q, cu_seqlens_k, used_q, used_k, None, None)
+           section, h, cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
+           new_tile_counter(q.device) if dynamic else None)
     return out, lse
 
 

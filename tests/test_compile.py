@@ -118,10 +118,25 @@ def test_fwd_varlen_variant_compiles(dtype, d, causal, varlen, tmp_path, monkeyp
     assert_wgmma_not_serialized(ops)
 
 
-def test_persistent_varlen_refused():
-    """Varlen tiles have per-sequence lengths the persistent walk does not handle (yet)."""
-    with pytest.raises(NotImplementedError, match="varlen"):
-        dispatch._compile_fwd(ARCH, "BFloat16", 128, False, varlen=True, persistent=True)
+# The persistent varlen forward as dispatch._fwd_varlen picks it: the static walk non-causal,
+# the dynamic one causal; O in its own buffer at d <= 128 (d=64 non-causal also without it).
+PERSISTENT_VARLEN = ([(d, c, d in OWN_O_HEAD_DIMS) for d in dispatch.SUPPORTED_HEAD_DIMS
+                      for c in (False, True)] + [(64, False, False)])
+
+
+@pytest.mark.parametrize("d,causal,own_o", PERSISTENT_VARLEN, ids=lambda v: str(v))
+def test_fwd_varlen_persistent_compiles(d, causal, own_o, tmp_path, monkeypatch):
+    """Varlen tiles walked by persistent CTAs: the one-tile varlen kernel's checks, plus the
+    dynamic walk's claims (its only global atomics)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = fwd_overrides(d, causal, persistent=True, dynamic=causal, own_o=own_o)
+    ops = sass_opcodes(fwd_cubin("BFloat16", d, causal, True, tuple(sorted(cfg.items()))),
+                       tmp_path)
+    assert ops.get("HGMMA", 0) > 0, "no HGMMA: the kernel is off the wgmma path"
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
+    assert ops.get("UTMASTG", 0) == 0, "a TMA store of O would overwrite the next sequence"
+    assert (ops.get("ATOMG", 0) > 0) == causal, ops.get("ATOMG")
+    assert_wgmma_not_serialized(ops)
 
 
 def test_cache_key_ignores_lengths():

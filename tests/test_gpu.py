@@ -651,6 +651,36 @@ def test_varlen_sequences_without_keys(causal):
                          causal=causal)
 
 
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in has no tile order")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen_persistent_walks(d, causal, monkeypatch):
+    """The persistent varlen forward (static and dynamic walks over the tiles that exist,
+    CTAs that walk many tiles or have none) against the oracle, with empty and one-token
+    sequences and NaN past seqused; the two walks run the same kernel config, so they are
+    bitwise equal."""
+    lens_q, lens_k = [1500, 0, 1, 130, 64, 700, 3, 333], [1500, 5, 0, 260, 64, 1, 129, 333]
+    used_q, used_k = [1500, 0, 1, 100, 64, 700, 3, 333], [1400, 5, 0, 260, 0, 1, 129, 200]
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, 4, 2, d, seed=d + 7)
+    clean, dirty = [], []
+    for t, cu, used in ((q, cu_q, used_q), (k, cu_k, used_k), (v, cu_k, used_k)):
+        unused = torch.ones(t.shape[0], dtype=torch.bool, device=DEVICE)
+        for start, n in zip(cu.tolist(), used):
+            unused[start:start + n] = False
+        clean.append(t.masked_fill(unused[:, None, None], 0.0))
+        dirty.append(t.masked_fill(unused[:, None, None], float("nan")))
+    seqused = {name: torch.tensor(u, dtype=torch.int32, device=DEVICE)
+               for name, u in (("seqused_q", used_q), ("seqused_k", used_k))}
+    outs = {}
+    for mode in ("0", "ctas=7", "dyn:ctas=5", "dyn:ctas=1000"):
+        monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
+        _poison_allocator(256 << 20)
+        outs[mode] = varlen_run_and_check(*dirty, cu_q, cu_k, max_q, max_k, causal=causal,
+                                          oracle_qkv=clean, **seqused)
+    for name, a, b in zip(("out", "lse"), outs["ctas=7"], outs["dyn:ctas=5"]):
+        assert torch.equal(a, b), f"{name}: the static and dynamic walks differ"
+
+
 @pytest.mark.parametrize("h,hk", [(8, 1), (8, 2), (6, 3)], ids=["mqa", "gqa4", "gqa2"])
 def test_varlen_many_sequences_gqa(h, hk):
     """A larger batch of mixed lengths: most tiles of the grid (sized by the longest sequence)

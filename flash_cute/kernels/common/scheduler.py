@@ -25,7 +25,8 @@ Varlen (packed sequences, ``varlen_tile_coords``): the tiles of sequence 0 come 
 sequence 1's, ...; inside a sequence the batched order above with that sequence's block count
 (its heads as one section group). Only tiles that hold rows are numbered, so a short sequence
 costs no empty CTAs: the grid is ``varlen_num_tiles`` (a bound, known on the host without
-reading the lengths), and a number past the last tile maps to batch = num_batch (no tile).
+reading the lengths), and a number past the last tile maps to batch = num_batch (no tile);
+the persistent walks stop at ``varlen_count_tiles``, the exact count.
 Finding a tile's sequence is a warp-wide prefix sum over the sequences' tile counts, 32
 sequences per step, run by every warp of the CTA (a few hundred cycles for 32 sequences).
 
@@ -136,6 +137,22 @@ def varlen_tile_coords(tile: Int32, mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tens
     block, head, _ = tile_coords(in_seq, num_blocks, nheads, nheads, section, nheads,
                                  reverse_blocks)
     return block, head, batch
+
+
+@cute.jit
+def varlen_count_tiles(mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tensor,
+                       tile_rows: cutlass.Constexpr[int], nheads: Int32):
+    """The varlen tiles that exist (numbers 0 .. count - 1; the persistent walks stop there).
+    Warp-collective, every lane gets the count: 32 sequences per step, then a warp sum."""
+    lane = cute.arch.lane_idx()
+    num_batch = mCuSeqlens.shape[0] - 1
+    count = Int32(0)
+    for group in cutlass.range(0, num_batch, 32, unroll=1):
+        b = group + lane
+        if b < num_batch:
+            rows = cutlass.min(mCuSeqlens[b + 1] - mCuSeqlens[b], mSeqUsed[b])
+            count += (rows + tile_rows - 1) // tile_rows * nheads
+    return cute.arch.warp_reduction_sum(count)
 
 
 def varlen_tile_coords_model(tile, lengths, tile_rows, nheads, section, reverse_blocks):

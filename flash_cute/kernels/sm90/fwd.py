@@ -24,10 +24,12 @@ seqused_k), and Q rows past seqlen_q are never stored: O leaves through predicat
 stores from sO instead of a TMA box that would overwrite the next sequence. A sequence with no
 keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = -inf.
 
-Persistent (``cfg.persistent``, batched only; off by default): the grid is min(tiles, SMs),
-and the load warp and every consumer warp walk the same tile sequence (common/scheduler.py:
-first_tile / next_tile, L2 sections, longest first), each carrying its pipeline states from
-tile to tile. The next tile's first K block loads under this tile's epilogue. Its Q: with
+Persistent (``cfg.persistent``; off by default): the grid is min(tiles, SMs), and the load
+warp and every consumer warp walk the same tile sequence (common/scheduler.py: first_tile /
+next_tile, L2 sections, longest first), each carrying its pipeline states from tile to tile.
+Varlen: the walk ends at the count of tiles that exist (scheduler.varlen_count_tiles, every
+warp scans the lengths once), and the consumers' own O stores free sO (own_o: a consumer
+barrier before the next tile's sO writes; aliased: the storing warp releases Q after one). The next tile's first K block loads under this tile's epilogue. Its Q: with
 ``cfg.own_o`` (config.fwd_own_o: d <= 128, per call) sO is a buffer of its own, the
 consumers release Q once the tile's last QK^T has completed, and the next Q loads under the
 last P V and the epilogue; otherwise sO aliases sQ and Q waits until the O store has read sO.
@@ -86,6 +88,7 @@ slots: 40 bytes) sit below sQ's 1 KB alignment.
     d=192 (tile_n 112): 48K + 84K + 84K = 216 KB      d=256 (tile_n 80): 64K + 80K + 80K = 224 KB
 """
 import enum
+from functools import partial
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -98,8 +101,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...config import FwdSm90Config
 from ..common import block_info, scheduler
-from ..common.layout import (acc_as_mn, acc_as_operand_a, row_copy, select_modes, store_packed,
-                             transpose_mn)
+from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row_copy,
+                             select_modes, store_packed, transpose_mn)
 from ..common.mask import apply_mask
 from ..common.seqlen import SeqlenInfo
 from ..common.softmax import OnlineSoftmax, rescale_rows
@@ -111,6 +114,9 @@ WG_THREADS = 128
 # setmaxnreg split (load warpgroup, each consumer warpgroup) by consumer count: the load warp
 # only issues TMA, so its registers go to the consumers; 128*load + 128*n*consumer <= 64K.
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+# The persistent varlen walk's load warp also scans the lengths per tile: with 24 registers it
+# spilled (3-20 bytes at d >= 96 causal); 32 * 128 + 240 * 256 is the whole 64K.
+VARLEN_WALK_LOAD_REGS = 32
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 STORE_WARP = WG_THREADS // 32  # the first consumer warp: issues the O TMA store, frees sO / sQ
 
@@ -135,10 +141,14 @@ class FlashFwdSm90:
         if self.num_wg not in REGISTER_SPLIT:
             raise ValueError(f"num_consumer_wg must be one of {sorted(REGISTER_SPLIT)}, "
                              f"got {self.num_wg}")
+        self.load_regs, self.consumer_regs = REGISTER_SPLIT[self.num_wg]
         if cfg.persistent and varlen:
-            raise NotImplementedError("persistent forward: varlen is not supported (batched only)")
+            self.load_regs = max(self.load_regs, VARLEN_WALK_LOAD_REGS)
         self.num_threads = WG_THREADS * (1 + self.num_wg)
         self.num_consumer_threads = WG_THREADS * self.num_wg
+        # O_FREE (own_o): the consumers and the O-storing warp; varlen's consumers store O
+        # themselves, so there it only keeps every consumer's sO reads before anyone's writes.
+        self.o_free_threads = self.num_consumer_threads + (0 if varlen else 32)
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
@@ -266,49 +276,56 @@ class FlashFwdSm90:
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
 
         nheads, longest_first = mQ.shape[2], self.causal and self.cfg.longest_first
-        if const_expr(not self.varlen):
-            num_m_blocks, num_batch = cute.ceil_div(mQ.shape[0], self.tile_m), mQ.shape[3]
-            order = (num_m_blocks, nheads, nheads * num_batch, heads_per_section, tail_section,
-                     longest_first)
+        if const_expr(self.varlen):
+            coords = partial(scheduler.varlen_tile_coords, mCuSeqlens=mCuSeqlensQ,
+                             mSeqUsed=mSeqUsedQ, tile_rows=self.tile_m, nheads=nheads,
+                             section=heads_per_section, reverse_blocks=longest_first)
+        else:
+            num_m_blocks, num_hb = cute.ceil_div(mQ.shape[0], self.tile_m), nheads * mQ.shape[3]
+            coords = partial(scheduler.tile_coords, num_blocks=num_m_blocks, nheads=nheads,
+                             num_hb=num_hb, section=heads_per_section,
+                             tail_section=tail_section, reverse_blocks=longest_first)
+        seqlen = partial(SeqlenInfo.create, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
+                         mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
+        n_block_max = lambda m_block, seq: block_info.n_block_max(  # noqa: E731
+            m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal)
+        kv_head = lambda head: head // (nheads // mK.shape[2])  # noqa: E731
         if const_expr(not self.cfg.persistent):
             has_rows = True
+            m_block, head, batch = coords(cute.arch.block_idx()[0])
             if const_expr(self.varlen):
-                m_block, head, batch = scheduler.varlen_tile_coords(
-                    cute.arch.block_idx()[0], mCuSeqlensQ, mSeqUsedQ, self.tile_m, nheads,
-                    heads_per_section, longest_first)
                 # The grid's bound leaves a few numbers past the last tile: they leave at once,
                 # uniformly over the CTA, so no pipeline is left waiting.
                 has_rows = batch < mCuSeqlensQ.shape[0] - 1
                 batch = cutlass.min(batch, mCuSeqlensQ.shape[0] - 2)  # reads kept in bounds
-            else:
-                m_block, head, batch = scheduler.current_tile(*order)
-            seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                                    mSeqUsedK)
+            seq = seqlen(batch)
             if has_rows:
-                n_max = block_info.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q,
-                                               seq.seqlen_k, self.causal)
+                n_max = n_block_max(m_block, seq)
                 if warp_idx // 4 == 0:
-                    cute.arch.setmaxregister_decrease(REGISTER_SPLIT[self.num_wg][0])
+                    cute.arch.setmaxregister_decrease(self.load_regs)
                     if warp_idx == 0:
-                        head_kv = head // (nheads // mK.shape[2])
+                        head_kv = kv_head(head)
                         self.load(seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
                                   seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k,
                                   tma_v, pipe_q, pipe_k, pipe_v, m_block, n_max,
                                   *self.pipeline_states(pipeline.PipelineUserType.Producer))
                 else:
-                    cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
+                    cute.arch.setmaxregister_increase(self.consumer_regs)
                     self.first_turn()
                     self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k,
                                  pipe_v, scale_log2, m_block, head, batch, n_max, seq,
                                  *self.pipeline_states(pipeline.PipelineUserType.Consumer))
         else:
-            # Persistent (batched only): the load warp and the consumers walk the same tiles,
-            # each carrying its pipeline states from one tile to the next.
-            num_tiles = scheduler.num_tiles(num_m_blocks, nheads * num_batch)
-            blocks = lambda m_block: block_info.n_block_max(  # noqa: E731
-                m_block, self.tile_m, self.tile_n, mQ.shape[0], mK.shape[0], self.causal)
+            # Persistent: the load warp and the consumers walk the same tiles, each carrying its
+            # pipeline states from one tile to the next. Varlen: the tiles that exist are
+            # numbered first; every warp counts them.
+            if const_expr(self.varlen):
+                num_tiles = scheduler.varlen_count_tiles(mCuSeqlensQ, mSeqUsedQ, self.tile_m,
+                                                         nheads)
+            else:
+                num_tiles = scheduler.num_tiles(num_m_blocks, num_hb)
             if warp_idx // 4 == 0:
-                cute.arch.setmaxregister_decrease(REGISTER_SPLIT[self.num_wg][0])
+                cute.arch.setmaxregister_decrease(self.load_regs)
                 if warp_idx == 0:
                     q, kv = self.pipeline_states(pipeline.PipelineUserType.Producer)
                     if const_expr(self.cfg.dynamic):
@@ -316,12 +333,12 @@ class FlashFwdSm90:
                             pipeline.PipelineUserType.Producer, scheduler.TILE_SLOTS)
                     tile = scheduler.first_tile()
                     while tile < num_tiles:
-                        m_block, head, batch = scheduler.tile_coords(tile, *order)
-                        head_kv = head // (nheads // mK.shape[2])
+                        m_block, head, batch = coords(tile)
+                        seq, head_kv = seqlen(batch), kv_head(head)
                         q, kv = self.load(
-                            mQ[None, None, head, batch], mK[None, None, head_kv, batch],
-                            mV[None, None, head_kv, batch], sQ, sK, sV, tma_q, tma_k, tma_v,
-                            pipe_q, pipe_k, pipe_v, m_block, blocks(m_block), q, kv)
+                            seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
+                            seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k, tma_v,
+                            pipe_q, pipe_k, pipe_v, m_block, n_block_max(m_block, seq), q, kv)
                         if const_expr(self.cfg.dynamic):
                             # Claimed once this tile's loads are issued: the last V load
                             # waited for a free stage, so the consumers are a block or two from
@@ -334,7 +351,7 @@ class FlashFwdSm90:
                         else:
                             tile = scheduler.next_tile(tile)
             else:
-                cute.arch.setmaxregister_increase(REGISTER_SPLIT[self.num_wg][1])
+                cute.arch.setmaxregister_increase(self.consumer_regs)
                 q, kv = self.pipeline_states(pipeline.PipelineUserType.Consumer)
                 if const_expr(self.cfg.dynamic):
                     claimed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -343,11 +360,11 @@ class FlashFwdSm90:
                 self.free_o()  # sO has no store in flight before the first tile
                 tile = scheduler.first_tile()
                 while tile < num_tiles:
-                    m_block, head, batch = scheduler.tile_coords(tile, *order)
+                    m_block, head, batch = coords(tile)
+                    seq = seqlen(batch)
                     q, kv = self.consume(
                         mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k, pipe_v,
-                        scale_log2, m_block, head, batch, blocks(m_block),
-                        SeqlenInfo.create(batch, mQ, mK), q, kv)
+                        scale_log2, m_block, head, batch, n_block_max(m_block, seq), seq, q, kv)
                     if const_expr(self.cfg.dynamic):
                         tile, claimed = scheduler.receive_tile(pipe_tile, claimed, sTile)
                     else:
@@ -556,14 +573,17 @@ class FlashFwdSm90:
         predicated row stores); LSE -> global. Persistent: the storing warp frees sQ (= sO) for
         the next tile's Q once the store has read it; with cfg.own_o it frees sO (O_FREE)."""
         seqlen_q = seq.seqlen_q
+        if const_expr(self.varlen and self.cfg.persistent):
+            # Rebuilt per tile: addresses derived from the hoisted index stayed live across the
+            # varlen walk and spilled (d=64: 4 bytes; d=256 causal: 56).
+            tidx = opaque_thread_idx() - WG_THREADS
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         rescale_rows(tOrO, softmax.finalize(lse))
         rO = cute.make_rmem_tensor_like(tOrO, self.dtype)
         rO.store(tOrO.load().to(self.dtype))
 
         if const_expr(self.cfg.own_o):  # the previous tile's store has read sO
-            cute.arch.barrier(barrier_id=int(Barrier.O_FREE),
-                              number_of_threads=self.num_consumer_threads + 32)
+            cute.arch.barrier(barrier_id=int(Barrier.O_FREE), number_of_threads=self.o_free_threads)
         stmatrix_acc(mma_pv, rO, sO, tidx)
 
         # LSE: the thread holding column 0 of a row writes it.
@@ -584,6 +604,12 @@ class FlashFwdSm90:
             cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE),
                               number_of_threads=self.num_consumer_threads)
             store_smem_rows(sO, gO, rows, tidx, self.num_consumer_threads)
+            if const_expr(self.cfg.persistent and not self.cfg.own_o):
+                # Every consumer has read sO (= sQ): one warp releases Q for the next tile.
+                cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE),
+                                  number_of_threads=self.num_consumer_threads)
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
+                    pipe_q.consumer_release(q)
         else:
             # Make the stmatrix writes visible to the TMA (async proxy), then one warp stores.
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -610,7 +636,7 @@ class FlashFwdSm90:
         """cfg.own_o: warp 4 (the O-storing warp) arrives on O_FREE once before the first tile
         and after each store has read sO; every consumer thread waits on it before writing sO
         (the count includes warp 4 twice, as EPILOGUE's). The last arrive stays pending."""
-        if const_expr(self.cfg.own_o):
+        if const_expr(self.cfg.own_o and not self.varlen):
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.O_FREE),
-                                         number_of_threads=self.num_consumer_threads + 32)
+                                         number_of_threads=self.o_free_threads)
