@@ -139,6 +139,18 @@ def test_fwd_varlen_persistent_compiles(d, causal, own_o, tmp_path, monkeypatch)
     assert_wgmma_not_serialized(ops)
 
 
+def test_register_split_fits_the_launch():
+    """setmaxnreg moves registers between warpgroups of one CTA: the consumers' increase is
+    granted only from what the load warpgroup gave back, so the split must fit the registers
+    every thread launches with (65536 / threads, in steps of 8). More hangs the kernel (a
+    32-register load warp beside 240-register consumers did, session 12)."""
+    from flash_cute.kernels.sm90.fwd import REGISTER_SPLIT, WG_THREADS
+    for n, (load, consumer) in REGISTER_SPLIT.items():
+        threads = WG_THREADS * (1 + n)
+        launch = 65536 // threads // 8 * 8
+        assert WG_THREADS * (load + n * consumer) <= launch * threads, (n, load, consumer)
+
+
 def test_cache_key_ignores_lengths():
     """The compile cache is keyed on code-changing values only (compile needs no GPU)."""
     before = dispatch.compile_cache_size()

@@ -27,12 +27,14 @@ keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = 
 Persistent (``cfg.persistent``; off by default): the grid is min(tiles, SMs), and the load
 warp and every consumer warp walk the same tile sequence (common/scheduler.py: first_tile /
 next_tile, L2 sections, longest first), each carrying its pipeline states from tile to tile.
-Varlen: the walk ends at the count of tiles that exist (scheduler.varlen_count_tiles, every
-warp scans the lengths once), and the consumers' own O stores free sO (own_o: a consumer
-barrier before the next tile's sO writes; aliased: the storing warp releases Q after one). The next tile's first K block loads under this tile's epilogue. Its Q: with
-``cfg.own_o`` (config.fwd_own_o: d <= 128, per call) sO is a buffer of its own, the
-consumers release Q once the tile's last QK^T has completed, and the next Q loads under the
-last P V and the epilogue; otherwise sO aliases sQ and Q waits until the O store has read sO.
+Varlen: the walk ends at the count of tiles that exist (scheduler.varlen_count_tiles: the
+consumers scan the lengths once, the load warp per tile), and the consumers' own O stores
+free sO (own_o: a consumer barrier before the next tile's sO writes; aliased: the storing
+warp releases Q after one). The next tile's first K block loads under this tile's epilogue.
+Its Q: with ``cfg.own_o`` (config.fwd_own_o: d <= 128, per call) sO is a buffer of its own,
+the consumers release Q once the tile's last QK^T has completed, and the next Q loads under
+the last P V and the epilogue; otherwise sO aliases sQ and Q waits until the O store has
+read sO.
 
 Dynamic (``cfg.dynamic``, on top of persistent): a CTA's first tile is blockIdx.x; then the
 load warp claims each next tile from a global counter (scheduler.claim_tile: lane 0 does
@@ -113,10 +115,9 @@ from .wgmma import gemm, make_smem_layout
 WG_THREADS = 128
 # setmaxnreg split (load warpgroup, each consumer warpgroup) by consumer count: the load warp
 # only issues TMA, so its registers go to the consumers; 128*load + 128*n*consumer <= 64K.
+# The totals stay within 168 * 384 (the registers each of 384 threads launches with): a
+# consumer increase past what the load warpgroup gave back is never granted (the kernel hangs).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
-# The persistent varlen walk's load warp also scans the lengths per tile: with 24 registers it
-# spilled (3-20 bytes at d >= 96 causal); 32 * 128 + 240 * 256 is the whole 64K.
-VARLEN_WALK_LOAD_REGS = 32
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 STORE_WARP = WG_THREADS // 32  # the first consumer warp: issues the O TMA store, frees sO / sQ
 
@@ -142,8 +143,6 @@ class FlashFwdSm90:
             raise ValueError(f"num_consumer_wg must be one of {sorted(REGISTER_SPLIT)}, "
                              f"got {self.num_wg}")
         self.load_regs, self.consumer_regs = REGISTER_SPLIT[self.num_wg]
-        if cfg.persistent and varlen:
-            self.load_regs = max(self.load_regs, VARLEN_WALK_LOAD_REGS)
         self.num_threads = WG_THREADS * (1 + self.num_wg)
         self.num_consumer_threads = WG_THREADS * self.num_wg
         # O_FREE (own_o): the consumers and the O-storing warp; varlen's consumers store O
@@ -318,12 +317,13 @@ class FlashFwdSm90:
         else:
             # Persistent: the load warp and the consumers walk the same tiles, each carrying its
             # pipeline states from one tile to the next. Varlen: the tiles that exist are
-            # numbered first; every warp counts them.
+            # numbered first; every warp counts them (the load warp in its loop condition, per
+            # tile: with 24 registers a count held across the loop spilled).
             if const_expr(self.varlen):
-                num_tiles = scheduler.varlen_count_tiles(mCuSeqlensQ, mSeqUsedQ, self.tile_m,
-                                                         nheads)
+                count = partial(scheduler.varlen_count_tiles, mCuSeqlensQ, mSeqUsedQ,
+                                self.tile_m, nheads)
             else:
-                num_tiles = scheduler.num_tiles(num_m_blocks, num_hb)
+                count = partial(scheduler.num_tiles, num_m_blocks, num_hb)
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(self.load_regs)
                 if warp_idx == 0:
@@ -332,7 +332,7 @@ class FlashFwdSm90:
                         claimed = pipeline.make_pipeline_state(
                             pipeline.PipelineUserType.Producer, scheduler.TILE_SLOTS)
                     tile = scheduler.first_tile()
-                    while tile < num_tiles:
+                    while tile < count():
                         m_block, head, batch = coords(tile)
                         seq, head_kv = seqlen(batch), kv_head(head)
                         q, kv = self.load(
@@ -358,6 +358,7 @@ class FlashFwdSm90:
                                                            scheduler.TILE_SLOTS)
                 self.first_turn()
                 self.free_o()  # sO has no store in flight before the first tile
+                num_tiles = count()
                 tile = scheduler.first_tile()
                 while tile < num_tiles:
                     m_block, head, batch = coords(tile)
