@@ -135,6 +135,14 @@ def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool 
             **(NARROW_FWD if narrow else {})}
 
 
+# Varlen calls: one tile per CTA unless FLASH_CUTE_FWD_PERSISTENT is set (dispatch.py). The
+# persistent varlen forward is correct (tests/test_gpu.py test_varlen_persistent_walks) and
+# faster alone, but slowed the training step: H200, bench/varlen_workload.py (d=128 causal,
+# 16k tokens), persistent / one tile per CTA in one call: forward 0.214 / 0.242 ms, forward +
+# backward 1.072 / 0.895 ms (not understood yet; docs/performance.md, session 12).
+VARLEN_FWD_PERSISTENT_AUTO = False
+
+
 def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):
     """Per-call choice of the forward launch (docs/performance.md, "Persistent forward" and
     "Dynamic persistent forward"): None (one tile per CTA), "static" or "dynamic".

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from .config import (SUPPORTED_HEAD_DIMS, FwdSm90Config, fwd_l2_budget, fwd_overrides,
-                     fwd_own_o, fwd_tile_m, heads_per_section, l2_sections, narrow_fwd,
-                     persistent_fwd_overrides, persistent_fwd_walk)
+from .config import (SUPPORTED_HEAD_DIMS, VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config,
+                     fwd_l2_budget, fwd_overrides, fwd_own_o, fwd_tile_m, heads_per_section,
+                     l2_sections, narrow_fwd, persistent_fwd_overrides, persistent_fwd_walk)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
@@ -29,9 +29,10 @@ _cache: dict = {}
 _cache_lock = threading.Lock()
 # Persistent forward. Unset or "auto": as config.persistent_fwd_walk says (past one wave:
 # static walk non-causal, dynamic causal), one CTA per SM; "0": never; "1": the static walk
-# past one wave, causal too; "ctas=N": the static walk on every batched call with N CTAs
-# (tests: long tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with
-# the dynamic tile order (an atomic tile counter, FwdSm90Config.dynamic).
+# past one wave, causal too; "ctas=N": the static walk on every call with N CTAs (tests: long
+# tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with the dynamic
+# tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls walk tiles only
+# when it is set (config.VARLEN_FWD_PERSISTENT_AUTO).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 
 
@@ -203,6 +204,17 @@ def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int, t
     return sms, dynamic
 
 
+def _varlen_persistent_ctas(device, d: int, causal: bool, total_q: int, batch: int, h: int):
+    """_persistent_ctas for a varlen call, where config.VARLEN_FWD_PERSISTENT_AUTO or the
+    environment asks for the persistent kernel (else None). It counts the grid's bound on the
+    tiles, total_q // tile_m + batch query blocks per head (scheduler.varlen_num_tiles),
+    without reading the lengths."""
+    if not VARLEN_FWD_PERSISTENT_AUTO and os.environ.get(PERSISTENT_FWD_ENV, "auto") == "auto":
+        return None
+    tile_m = fwd_tile_m(d, narrow=False)
+    return _persistent_ctas(device, d, causal, (total_q // tile_m + batch) * tile_m, h, tile_m)
+
+
 @functools.lru_cache(maxsize=None)
 def _device_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
@@ -282,11 +294,8 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     if total_q == 0 or k.shape[0] == 0:  # nothing to compute, or no keys anywhere (a TMA
         return out, lse                  # descriptor needs a non-empty K): out 0, lse -inf
     arch = _device_arch(q.device)
-    tile_m = fwd_tile_m(d, narrow=False)
-    # The persistent choice counts the grid's bound on the tiles, total_q // tile_m + batch
-    # query blocks per head (scheduler.varlen_num_tiles), without reading the lengths.
-    ctas, dynamic = _persistent_ctas(q.device, d, causal, (total_q // tile_m + batch) * tile_m,
-                                     h, tile_m) or (None, False)
+    walks = _varlen_persistent_ctas(q.device, d, causal, total_q, batch, h)
+    ctas, dynamic = walks or (None, False)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal), varlen=True,
                             persistent=ctas is not None, dynamic=dynamic,
                             own_o=fwd_own_o(d, causal, max_seqlen_k))

@@ -7,6 +7,7 @@ import heapq
 import itertools
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -146,6 +147,20 @@ def test_l2_section_sizes():
     assert heads_per_section(16384, 256, 4, 8) == 1
     assert heads_per_section(64, 64, 2, 6) == 6
     assert heads_per_section(1, 64, 2, 0) == 1
+
+
+def test_varlen_forward_walks_tiles_only_when_asked(monkeypatch):
+    """Varlen calls run one tile per CTA unless FLASH_CUTE_FWD_PERSISTENT is set
+    (config.VARLEN_FWD_PERSISTENT_AUTO: the persistent varlen forward slowed the training step);
+    set, it forces the walks as for batched calls."""
+    from flash_cute import dispatch
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(dispatch.PERSISTENT_FWD_ENV, raising=False)
+    assert dispatch._varlen_persistent_ctas(cpu, 128, True, 16384, 22, 16) is None
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=5")
+    assert dispatch._varlen_persistent_ctas(cpu, 128, True, 16384, 22, 16) == (5, True)
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "0")
+    assert dispatch._varlen_persistent_ctas(cpu, 128, True, 16384, 22, 16) is None
 
 
 def test_tail_section_merges_enough_causal_tiles():
