@@ -93,8 +93,9 @@ def main():
 
     if args.bwd_configs:
         return compare_configs(args.bwd_configs, step(impls["flash_cute"]), flops, args.rounds)
-    # Interleaved rounds, median per implementation: each timed call syncs, so the host's cost
-    # is in it, and the host's speed drifts over a run; interleaving shares the drift out.
+    # Interleaved rounds, median per implementation: the machine's speed drifts over a run;
+    # interleaving shares the drift out. timeit queues its calls (check_fwd.py), so the host's
+    # cost shows only where the host is slower than the GPU.
     times = {name: ([], []) for name in impls}
     for _ in range(args.rounds):
         for name, fn in impls.items():
@@ -119,9 +120,9 @@ def main():
 
 
 def compare_configs(specs, run, flops, rounds):
-    """Ours under each FLASH_CUTE_BWD_CONFIG spec: the median synced step time over interleaved
-    rounds (host time included, so noisy), then the GPU time per step (profiler: the kernels
-    alone, the steadier number for a kernel config)."""
+    """Ours under each FLASH_CUTE_BWD_CONFIG spec: the median step time over interleaved rounds
+    (queued calls: the host shows only where it is the slower), then the GPU time per step
+    (profiler: the kernels alone, the steadier number for a kernel config)."""
     from flash_cute.backward import CONFIG_ENV
     times = {spec: [] for spec in specs}
     for _ in range(rounds):
