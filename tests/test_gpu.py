@@ -608,6 +608,18 @@ def test_varlen_matches_batched_per_sequence(d, causal):
                                    msg=lambda m: f"sequence {i} lse: {m}")
 
 
+def _past_used(q, k, v, cu_q, cu_k, used_q, used_k):
+    """(clean, dirty) copies of q, k, v whose rows past seqused are 0 / NaN."""
+    clean, dirty = [], []
+    for t, cu, used in ((q, cu_q, used_q), (k, cu_k, used_k), (v, cu_k, used_k)):
+        unused = torch.ones(t.shape[0], dtype=torch.bool, device=DEVICE)
+        for start, n in zip(cu.tolist(), used):
+            unused[start:start + n] = False
+        clean.append(t.masked_fill(unused[:, None, None], 0.0))
+        dirty.append(t.masked_fill(unused[:, None, None], float("nan")))
+    return clean, dirty
+
+
 @pytest.mark.skipif(_ON_CPU, reason="the stand-in oracle would read the NaN rows")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 192])
@@ -620,13 +632,7 @@ def test_varlen_seqused(d, causal):
     lens_q, lens_k = [100, 0, 1, 333, 129, 7], [300, 5, 1, 333, 200, 0]
     used_q, used_k = [50, 0, 1, 333, 0, 7], [100, 0, 0, 200, 129, 0]
     q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, 4, 2, d, seed=41)
-    clean, dirty = [], []
-    for t, cu, used in ((q, cu_q, used_q), (k, cu_k, used_k), (v, cu_k, used_k)):
-        unused = torch.ones(t.shape[0], dtype=torch.bool, device=DEVICE)
-        for start, n in zip(cu.tolist(), used):
-            unused[start:start + n] = False
-        clean.append(t.masked_fill(unused[:, None, None], 0.0))
-        dirty.append(t.masked_fill(unused[:, None, None], float("nan")))
+    clean, dirty = _past_used(q, k, v, cu_q, cu_k, used_q, used_k)
     seqused_q, seqused_k = (torch.tensor(u, dtype=torch.int32, device=DEVICE)
                             for u in (used_q, used_k))
     out, lse = varlen_run_and_check(*dirty, cu_q, cu_k, max_q, max_k, causal=causal,
@@ -662,13 +668,7 @@ def test_varlen_persistent_walks(d, causal, monkeypatch):
     lens_q, lens_k = [1500, 0, 1, 130, 64, 700, 3, 333], [1500, 5, 0, 260, 64, 1, 129, 333]
     used_q, used_k = [1500, 0, 1, 100, 64, 700, 3, 333], [1400, 5, 0, 260, 0, 1, 129, 200]
     q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, 4, 2, d, seed=d + 7)
-    clean, dirty = [], []
-    for t, cu, used in ((q, cu_q, used_q), (k, cu_k, used_k), (v, cu_k, used_k)):
-        unused = torch.ones(t.shape[0], dtype=torch.bool, device=DEVICE)
-        for start, n in zip(cu.tolist(), used):
-            unused[start:start + n] = False
-        clean.append(t.masked_fill(unused[:, None, None], 0.0))
-        dirty.append(t.masked_fill(unused[:, None, None], float("nan")))
+    clean, dirty = _past_used(q, k, v, cu_q, cu_k, used_q, used_k)
     seqused = {name: torch.tensor(u, dtype=torch.int32, device=DEVICE)
                for name, u in (("seqused_q", used_q), ("seqused_k", used_k))}
     outs = {}
