@@ -26,8 +26,9 @@ class FwdSm90Config:
     # (-2% non-causal, +4% causal), -5..-9% at d=256; on for d=64 only.
     packed_p_cvt: bool = False
     # About one CTA per SM, each walking tiles (common/scheduler.py) instead of one tile per CTA:
-    # the next tile's Q and K/V loads overlap this tile's epilogue. Batched and varlen; chosen per
-    # call by persistent_fwd_walk (docs/performance.md, "Persistent forward").
+    # the next tile's Q and K/V loads overlap this tile's epilogue. Chosen per batched call by
+    # persistent_fwd_walk (docs/performance.md, "Persistent forward"); varlen: on request
+    # (VARLEN_FWD_PERSISTENT_AUTO).
     persistent: bool = False
     # Persistent only: after its first tile a CTA claims the next one from a global atomic
     # counter (kernels/common/scheduler.py, "dynamic"), so whichever SM frees first takes the

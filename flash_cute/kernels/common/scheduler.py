@@ -32,7 +32,7 @@ sequences per step, run by every warp of the CTA (a few hundred cycles for 32 se
 
 Launch styles sharing the numbering:
 
-    one tile per CTA    grid = grid_shape(...); the CTA's tile is blockIdx.x (``current_tile``)
+    one tile per CTA    grid = grid_shape(...); the CTA's tile is blockIdx.x
     persistent, fwd     grid = persistent_grid(num_tiles, ctas); each CTA walks ``first_tile``
                         / ``next_tile``: round by round (a round = gridDim.x consecutive tiles,
                         so the tiles in flight are one L2 section's), rounds alternating
@@ -165,14 +165,6 @@ def varlen_tile_coords_model(tile, lengths, tile_rows, nheads, section, reverse_
             return block, head, batch
         tile -= count
     return 0, 0, len(lengths)
-
-
-@cute.jit
-def current_tile(num_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int32,
-                 tail_section: Int32, reverse_blocks: cutlass.Constexpr[bool]):
-    """The tile of this CTA under ``grid_shape`` (one CTA per tile)."""
-    return tile_coords(cute.arch.block_idx()[0], num_blocks, nheads, num_hb, section,
-                       tail_section, reverse_blocks)
 
 
 # Persistent walks. Every role of a CTA (load warp, consumers) runs the same walk, so they agree

@@ -56,7 +56,8 @@ Pipelines (cutlass.pipeline.PipelineTmaAsync: full barrier = 1 producer arrive +
 empty barrier = one arrive per consumer warp):
 
     pipe_q  load -> 4n consumer warps, 1 stage  (persistent: released by warp 4 alone, once its
-                                                 TMA store of O has read sO; own_o: by every
+                                                 TMA store of O has read sO, varlen once every
+                                                 consumer's row stores have; own_o: by every
                                                  consumer warp after the last QK^T)
     pipe_k  load -> 4n consumer warps, kv_stages
     pipe_v  load -> 4n consumer warps, kv_stages  (separate from K so QK^T starts before V lands)
@@ -68,10 +69,11 @@ barrier = 1 arrive (load warp lane 0, after writing the slot), empty barrier = 1
     pipe_tile  load -> consumers, the claimed tile numbers (2 int32 slots)
 
 Named barriers: EPILOGUE (128n + 32) makes sO visible before warp 4 issues the TMA store
-(varlen: 128n, before the consumers read sO back); O_FREE (128n + 32, own_o) keeps the next
-tile's sO writes behind the store's read (warp 4 arrives once up front and after each
-store); V_TAIL (128n, varlen) orders the zeroing of the last V block before any warpgroup's
-P V reads it;
+(varlen: 128n, before the consumers read sO back, and persistent without own_o again after
+their row stores, before warp 4 releases Q); O_FREE (128n + 32, own_o) keeps the next tile's
+sO writes behind the store's read (warp 4 arrives once up front and after each store;
+varlen: 128n, the consumers' own stores); V_TAIL (128n, varlen) orders the zeroing of the
+last V block before any warpgroup's P V reads it;
 TURN_WG1/TURN_WG2 (256, n = 2 only, off by default) order the two warpgroups' GEMM issue
 (ping-pong: one warpgroup's softmax runs under the other's GEMMs; persistent too, the turns
 carrying over from tile to tile, see first_turn).
@@ -572,7 +574,8 @@ class FlashFwdSm90:
                  batch: Int32, seq: SeqlenInfo, pipe_q, q):
         """O / rowsum -> sO (stmatrix) -> TMA store (clips rows past seqlen_q; varlen:
         predicated row stores); LSE -> global. Persistent: the storing warp frees sQ (= sO) for
-        the next tile's Q once the store has read it; with cfg.own_o it frees sO (O_FREE)."""
+        the next tile's Q once the store has read it (varlen: once every consumer's row stores
+        have); with cfg.own_o it frees sO (O_FREE; varlen: the consumers' barrier)."""
         seqlen_q = seq.seqlen_q
         if const_expr(self.varlen and self.cfg.persistent):
             # Rebuilt per tile: addresses derived from the hoisted index stayed live across the
@@ -636,7 +639,8 @@ class FlashFwdSm90:
     def free_o(self):
         """cfg.own_o: warp 4 (the O-storing warp) arrives on O_FREE once before the first tile
         and after each store has read sO; every consumer thread waits on it before writing sO
-        (the count includes warp 4 twice, as EPILOGUE's). The last arrive stays pending."""
+        (the count includes warp 4 twice, as EPILOGUE's). The last arrive stays pending.
+        Varlen: nothing (the consumers store O themselves; O_FREE is theirs alone)."""
         if const_expr(self.cfg.own_o and not self.varlen):
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.O_FREE),
