@@ -293,8 +293,10 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
                 cutlass.Int32, sem_shape, stride_order=tuple(range(len(sem_shape)))[::-1],
                 assumed_align=4),
             cutlass.Float32(1.0), cutlass.Float32(1.0), *varlen_args,
-            # SM count (persistent only, else None) and the L2 sections: runtime values.
-            cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1), cutlass.Int32(1))
+            # SM count (persistent only, else None) and the L2 sections: runtime values (varlen
+            # has no tail section: its sections are per sequence).
+            cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1),
+            None if varlen else cutlass.Int32(1))
     return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 
@@ -619,7 +621,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
          used_k,
          *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), max_seqlen_k,
-                      cfg.tile_n, d, batch * h, causal))
+                      cfg.tile_n, d, batch * h, causal)[:2], None)
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)

@@ -106,7 +106,8 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     tensors, varlen_args = _fake_args(dtype_name, d, varlen)
     max_ctas = cutlass.Int32(1) if cfg.persistent else None  # a runtime value: any SM count
     counter = _fake_tile_counter() if cfg.dynamic else None
-    sections = (cutlass.Int32(1), cutlass.Int32(1))  # runtime: config.l2_sections
+    # Runtime values (config.l2_sections); varlen has no tail section (sections per sequence).
+    sections = (cutlass.Int32(1), None if varlen else cutlass.Int32(1))
     args = (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter)
     return compile_kernel(kernel, args, keep_cubin)
 
@@ -303,11 +304,11 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
     # The grid numbers only existing query blocks (kernels/common/scheduler.py); max_seqlen_k
-    # only sizes the L2 sections (per sequence: the tail section is not used).
+    # only sizes the L2 sections (per sequence, no tail section).
     section = heads_per_section(max_seqlen_k, d, q.element_size(), batch * h,
                                 fwd_l2_budget(causal))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           section, h, cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
+           section, None, cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
            new_tile_counter(q.device) if dynamic else None)
     return out, lse
 

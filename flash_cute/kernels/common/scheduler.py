@@ -53,6 +53,8 @@ Launch styles sharing the numbering:
                         By induction on the tile number: tile t's CTA reaches t once its own
                         lower tiles are done, and everything t waits on is a lower tile.
 """
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, pipeline
@@ -75,18 +77,22 @@ def persistent_grid(count, max_ctas):
 
 
 def tile_coords(tile: Int32, num_blocks: Int32, nheads: Int32, num_hb: Int32, section: Int32,
-                tail_section: Int32, reverse_blocks: bool):
+                tail_section: Optional[Int32], reverse_blocks: bool):
     """(block, head, batch) of tile number ``tile`` (the module docstring's order). Sections
-    ``tail_section`` onwards are one section (the tail); >= the section count: none merged.
-    Branch-free, so it also runs on Python ints (tests/test_scheduler.py)."""
-    sec_idx = cutlass.min(tile // (section * num_blocks), tail_section)
+    ``tail_section`` onwards are one section (the tail); >= the section count, or None (no
+    code for it: the varlen kernels), none merged. Branch-free, so it also runs on Python ints
+    (tests/test_scheduler.py)."""
+    sec_idx = tile // (section * num_blocks)
+    if tail_section is not None:  # known when tracing
+        sec_idx = cutlass.min(sec_idx, tail_section)
     first = sec_idx * section  # the section's first (batch x head) pair
     in_sec = tile - first * num_blocks
     rest = num_hb - first
-    # The last section may be narrower; the tail ((sec_idx + 1) // (tail_section + 1) == 1,
-    # as sec_idx <= tail_section) takes every pair left.
-    width = (cutlass.min(section, rest)
-             + (sec_idx + 1) // (tail_section + 1) * cutlass.max(rest - section, 0))
+    width = cutlass.min(section, rest)  # the last section may be narrower
+    if tail_section is not None:
+        # The tail ((sec_idx + 1) // (tail_section + 1) == 1, as sec_idx <= tail_section)
+        # takes every pair left.
+        width += (sec_idx + 1) // (tail_section + 1) * cutlass.max(rest - section, 0)
     block = in_sec // width
     hb = first + (in_sec - block * width)
     batch = hb // nheads
@@ -134,7 +140,7 @@ def varlen_tile_coords(tile: Int32, mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tens
         else:
             before += cute.arch.shuffle_sync(upto, 31)
             group += 32
-    block, head, _ = tile_coords(in_seq, num_blocks, nheads, nheads, section, nheads,
+    block, head, _ = tile_coords(in_seq, num_blocks, nheads, nheads, section, None,
                                  reverse_blocks)
     return block, head, batch
 
@@ -161,7 +167,7 @@ def varlen_tile_coords_model(tile, lengths, tile_rows, nheads, section, reverse_
         count = -(-rows // tile_rows) * nheads
         if tile < count:
             block, head, _ = tile_coords(tile, count // nheads, nheads, nheads, section,
-                                         nheads, reverse_blocks)
+                                         None, reverse_blocks)
             return block, head, batch
         tile -= count
     return 0, 0, len(lengths)

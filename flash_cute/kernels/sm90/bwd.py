@@ -200,7 +200,8 @@ class FlashBwdSm90:
                  mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32, dk_scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-                 num_sms: Optional[Int32], heads_per_section: Int32, tail_section: Int32,
+                 num_sms: Optional[Int32], heads_per_section: Int32,
+                 tail_section: Optional[Int32],
                  stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
@@ -210,7 +211,8 @@ class FlashBwdSm90:
         (total, heads, d)) or padded (mLSE, mD (h, rows), mdQaccum (h, rows, d), mSem
         (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32.
         num_sms bounds the persistent grid (else None); heads_per_section and tail_section are
-        the scheduler's L2 sections (kernels/common/scheduler.py), for both launch styles."""
+        the scheduler's L2 sections (kernels/common/scheduler.py), for both launch styles
+        (varlen: tail_section None, sections are per sequence)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
@@ -353,7 +355,7 @@ class FlashBwdSm90:
                sdQ_layout: cute.Layout, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma,
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-               mSeqUsedK: Optional[cute.Tensor], section: Int32, tail_section: Int32,
+               mSeqUsedK: Optional[cute.Tensor], section: Int32, tail_section: Optional[Int32],
                tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:

@@ -155,7 +155,7 @@ class FlashFwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, scale_log2: Float32, heads_per_section: Int32,
-                 tail_section: Int32, mCuSeqlensQ: Optional[cute.Tensor],
+                 tail_section: Optional[Int32], mCuSeqlensQ: Optional[cute.Tensor],
                  mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                  mSeqUsedK: Optional[cute.Tensor],
                  max_ctas: Optional[Int32], mTileCounter: Optional[cute.Tensor],
@@ -163,7 +163,8 @@ class FlashFwdSm90:
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
-        heads_per_section, tail_section: the tile order's L2 sections (common/scheduler.py).
+        heads_per_section, tail_section: the tile order's L2 sections (common/scheduler.py;
+        varlen: tail_section None, sections are per sequence).
         max_ctas: persistent only (else None), the most CTAs that run at once (SMs x 1).
         mTileCounter: dynamic only (else None), one int32, zero at launch (the host passes a
         fresh zeroed one per call, see dispatch.fwd)."""
@@ -244,7 +245,8 @@ class FlashFwdSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_v: cute.CopyAtom, tma_o: cute.CopyAtom, scale_log2: Float32,
-               heads_per_section: Int32, tail_section: Int32, sQ_layout: cute.ComposedLayout,
+               heads_per_section: Int32, tail_section: Optional[Int32],
+               sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
