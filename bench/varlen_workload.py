@@ -12,12 +12,17 @@ backward), for every implementation. Forward, then forward + backward (one train
 
     python bench/varlen_workload.py [--tokens 16384] [--seed 0] [--d 128] [--rounds 5] [--kernels]
     python bench/varlen_workload.py --bwd-configs "" early_lse_d=1   # ours only, interleaved
+    python bench/varlen_workload.py --fwd-walks 0 dyn                 # ours only, interleaved
 
 --kernels: also one profiled training step per implementation (after the timings), its GPU
 time per kernel (torch.profiler), to split the step into forward, bwd_pre, main, bwd_post and
 the host-side glue (where the varlen backward's gap to FA4 lies).
 --bwd-configs: our training step under each FLASH_CUTE_BWD_CONFIG value ("" = the shipped
 config), timed in interleaved rounds (median per value), instead of the peer comparison.
+--fwd-walks: ours under each FLASH_CUTE_FWD_PERSISTENT value (e.g. ``--fwd-walks 0 dyn``:
+one tile per CTA vs the persistent varlen forward), forward and step interleaved, then each
+step's GPU time per kernel (session 12: the persistent forward sped the forward alone up and
+slowed the step).
 """
 import argparse
 import os
@@ -49,6 +54,7 @@ def main():
     p.add_argument("--d", type=int, default=128, choices=(64, 96, 128, 192, 256))
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--bwd-configs", nargs="+", metavar="SPEC")
+    p.add_argument("--fwd-walks", nargs="+", metavar="VALUE")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     args = p.parse_args()
     H, D = WIDTH // args.d, args.d
@@ -93,6 +99,10 @@ def main():
 
     if args.bwd_configs:
         return compare_configs(args.bwd_configs, step(impls["flash_cute"]), flops, args.rounds)
+    if args.fwd_walks:
+        ours = impls["flash_cute"]
+        return compare_fwd_walks(args.fwd_walks, lambda: ours(q, k, v), step(ours), flops,
+                                 args.rounds)
     # Interleaved rounds, median per implementation: the machine's speed drifts over a run;
     # interleaving shares the drift out. timeit queues its calls (check_fwd.py), so the host's
     # cost shows only where the host is slower than the GPU.
@@ -136,6 +146,27 @@ def compare_configs(specs, run, flops, rounds):
         print(f"{spec or 'shipped':>24}: fwd+bwd {3.5 * flops / t / 1e9:6.0f} TFLOP/s "
               f"({t:.3f} ms), GPU {gpu:.0f} us per step", flush=True)
     os.environ.pop(CONFIG_ENV)
+
+
+def compare_fwd_walks(values, fwd, step, flops, rounds):
+    """Ours under each FLASH_CUTE_FWD_PERSISTENT value (e.g. 0: one tile per CTA, dyn: the
+    dynamic persistent walk): the forward alone and the training step in interleaved rounds
+    (median), then each value's GPU time per kernel of a step (is the step's extra time in a
+    kernel, or between them?)."""
+    from flash_cute.dispatch import PERSISTENT_FWD_ENV
+    times = {v: ([], []) for v in values}
+    for _ in range(rounds):
+        for v in values:
+            os.environ[PERSISTENT_FWD_ENV] = v
+            times[v][0].append(timeit(fwd, reps=10))
+            times[v][1].append(timeit(step, reps=5))
+    for v, (t_f, t_fb) in times.items():
+        os.environ[PERSISTENT_FWD_ENV] = v
+        t_f, t_fb = statistics.median(t_f), statistics.median(t_fb)
+        print(f"{PERSISTENT_FWD_ENV}={v}: fwd {t_f:.3f} ms ({flops / t_f / 1e9:.0f} TFLOP/s), "
+              f"fwd+bwd {t_fb:.3f} ms", flush=True)
+        kernel_times(f"{PERSISTENT_FWD_ENV}={v}", step)
+    os.environ.pop(PERSISTENT_FWD_ENV)
 
 
 def kernel_times(name, run, steps=5, top=8):
