@@ -27,7 +27,7 @@ class FwdSm90Config:
     packed_p_cvt: bool = False
     # About one CTA per SM, each walking tiles (common/scheduler.py) instead of one tile per CTA:
     # the next tile's Q and K/V loads overlap this tile's epilogue. Chosen per batched call by
-    # persistent_fwd_walk (docs/performance.md, "Persistent forward"); varlen: on request
+    # persistent_fwd_walk (docs/performance.md, "Persistent forward"), varlen calls too
     # (VARLEN_FWD_PERSISTENT_AUTO).
     persistent: bool = False
     # Persistent only: after its first tile a CTA claims the next one from a global atomic
@@ -136,12 +136,12 @@ def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool 
             **(NARROW_FWD if narrow else {})}
 
 
-# Varlen calls: one tile per CTA unless FLASH_CUTE_FWD_PERSISTENT is set (dispatch.py). The
-# persistent varlen forward is correct (tests/test_gpu.py test_varlen_persistent_walks) and
-# faster alone, but slowed the training step: H200, bench/varlen_workload.py (d=128 causal,
-# 16k tokens), persistent / one tile per CTA in one call: forward 0.214 / 0.242 ms, forward +
-# backward 1.072 / 0.895 ms (not understood yet; docs/performance.md, session 12).
-VARLEN_FWD_PERSISTENT_AUTO = False
+# Varlen calls walk tiles as batched ones do (persistent_fwd_walk over the grid's bound on the
+# tiles; FLASH_CUTE_FWD_PERSISTENT=0 turns it off). H200, bench/varlen_workload.py --fwd-walks
+# 0 dyn (d=128 causal, 16k tokens, interleaved in one process): forward 0.209 / 0.239 ms, forward
+# + backward 0.862 / 0.888 ms (session 13). Session 12's step slowdown (1.07 ms) came from
+# separate processes and did not reproduce interleaved; the per-kernel GPU times agree.
+VARLEN_FWD_PERSISTENT_AUTO = True
 
 
 def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):

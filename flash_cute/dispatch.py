@@ -31,8 +31,8 @@ _cache_lock = threading.Lock()
 # static walk non-causal, dynamic causal), one CTA per SM; "0": never; "1": the static walk
 # past one wave, causal too; "ctas=N": the static walk on every call with N CTAs (tests: long
 # tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with the dynamic
-# tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls walk tiles only
-# when it is set (config.VARLEN_FWD_PERSISTENT_AUTO).
+# tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls follow it too
+# (config.VARLEN_FWD_PERSISTENT_AUTO).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 
 

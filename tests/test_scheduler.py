@@ -149,14 +149,17 @@ def test_l2_section_sizes():
     assert heads_per_section(1, 64, 2, 0) == 1
 
 
-def test_varlen_forward_walks_tiles_only_when_asked(monkeypatch):
-    """Varlen calls run one tile per CTA unless FLASH_CUTE_FWD_PERSISTENT is set
-    (config.VARLEN_FWD_PERSISTENT_AUTO: the persistent varlen forward slowed the training step);
-    set, it forces the walks as for batched calls."""
+def test_varlen_forward_walks_tiles(monkeypatch):
+    """Varlen calls walk tiles as batched ones do (config.VARLEN_FWD_PERSISTENT_AUTO): past one
+    wave of the grid's bound on the tiles, dynamic when causal; FLASH_CUTE_FWD_PERSISTENT
+    forces a walk or, "0", one tile per CTA."""
     from flash_cute import dispatch
     cpu = torch.device("cpu")
     monkeypatch.delenv(dispatch.PERSISTENT_FWD_ENV, raising=False)
-    assert dispatch._varlen_persistent_ctas(cpu, 128, True, 16384, 22, 16) is None
+    monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
+    assert dispatch._varlen_persistent_ctas(cpu, 128, True, 16384, 22, 16) == (132, True)
+    assert dispatch._varlen_persistent_ctas(cpu, 128, False, 16384, 22, 16) == (132, False)
+    assert dispatch._varlen_persistent_ctas(cpu, 128, True, 512, 2, 2) is None  # < one wave
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=5")
     assert dispatch._varlen_persistent_ctas(cpu, 128, True, 16384, 22, 16) == (5, True)
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "0")
