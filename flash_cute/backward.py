@@ -53,7 +53,7 @@ current stream.
 Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with
 sq_pad = sq rounded up to tile_m (64; 128 for the batched d=64 kernel; 80 for the batched
 d=128 kernel of long calls, BATCHED_TALT, whose dQaccum rows are unpadded (cfg.dq_row) and
-hold each tile's dQ^T in the wgmma's register order (cfg.dq_frag, undone by bwd_post)) (varlen: (h,
+hold each row's 8-float groups permuted (cfg.dq_swizzle, undone by bwd_post)) (varlen: (h,
 rows, ...) with rows = (total_q // tile_m + b) * tile_m);
 with GQA also fp32 dK, dV per query head (b, sk, h, d) (varlen: (total_k, h, d)).
 """
@@ -302,7 +302,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                  pdl=False, dq_frag=False):
+                  pdl=False, dq_swizzle=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -323,7 +323,7 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
         varlen_args = NO_VARLEN_Q
     if tile_m is None:
         tile_m = BwdSm90Config.for_head_dim(d).tile_m
-    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_frag),
+    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle),
                           (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
@@ -417,7 +417,7 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                     persistent: bool = False, cfg_overrides=None):
     """(pre, main, post for dq, batched post for the GQA dK/dV sums) compiled TVM-FFI
     functions; pre/post are shared across the flags and keyed by the main kernel's tile_m
-    (their padding unit), pdl (how they are chained to it) and, for dq, cfg.dq_frag (the
+    (their padding unit), pdl (how they are chained to it) and, for dq, cfg.dq_swizzle (the
     accumulator's order). ``cfg_overrides``: see bwd_config."""
     overrides = {**env_overrides(), **(cfg_overrides or {})}  # bwd_config's, parsed once
     cfg = _config(d, tuple(overrides.items()))
@@ -432,11 +432,11 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                                       persistent=persistent, **overrides))
     post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, False),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
-    sw = cfg.dq_frag
+    sw = cfg.dq_swizzle
     post_dq = post if not (varlen or sw) else _get(
         ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw),
         lambda: _compile_post(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
-                              dq_frag=sw))
+                              dq_swizzle=sw))
     return pre, main, post_dq, post
 
 
@@ -461,8 +461,7 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
                                 pdl=pdl)
     elif kernel == "post":
         compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen,
-                                 tile_m=tm, pdl=pdl,
-                                 dq_frag=_config(d, tuple(cfg_overrides.items())).dq_frag)
+                                 tile_m=tm, pdl=pdl)
     else:
         compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True,
                                  deterministic=deterministic, varlen=varlen,

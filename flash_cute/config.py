@@ -343,14 +343,14 @@ class BwdSm90Config:
     def dq_row_pad(self) -> int:
         """fp32 padding per dQ row (dQaccum and sdQ). tile_m = 80: none. Its shared memory
         (sK, sV 32 KB each, sQ, sdO, 2 x sdS 40 KB each, sdQ 40 KB, LSE/D) fills 226 KB of the
-        227 KB with unpadded rows (padded: 42.5 KB, over); its dQ^T tile is stored in fragment
-        order (dq_frag), 16-byte stores that need no padding to avoid bank conflicts."""
+        227 KB with unpadded rows (padded: 42.5 KB, over); its dQ^T stores are scalar and
+        transposed, kept conflict-free by a swizzle instead (dq_swizzle)."""
         return 0 if self.dq_transposed else DQ_ROW_PAD
 
     @property
-    def dq_frag(self) -> bool:
-        """sdQ and dQaccum hold each query tile's dQ^T in the wgmma accumulator's register
-        order (kernels/sm90/bwd.py DQ_FRAG_M; bwd_post undoes it); transposed dQ only."""
+    def dq_swizzle(self) -> bool:
+        """dQaccum's (and sdQ's) 8-float column groups permuted per row (kernels/sm90/bwd.py
+        DQT_SWIZZLE: group g of row r sits at g ^ ((r >> 1) & 3)); transposed dQ only."""
         return self.dq_transposed
 
     @property

@@ -358,9 +358,9 @@ def test_grads_wide_gqa_long(d, causal):
 @pytest.mark.parametrize("hk", [4, 2])
 def test_grads_talt_long(hk, causal, monkeypatch):
     """d=128 calls with >= backward.BWD_TALT_MIN_SEQLEN_Q queries (causal: the causal
-    threshold, lowered here to keep the oracle small) take the 80-row "talt" tile (dQ
-    accumulator in fragment order): a ragged query tail, more keys than queries, GQA;
-    deterministic=True bit-identical over two runs."""
+    threshold, lowered here to keep the oracle small) take the 80-row "talt" tile (swizzled
+    dQ accumulator): a ragged query tail, more keys than queries, GQA; deterministic=True
+    bit-identical over two runs."""
     monkeypatch.setattr(backward, "BWD_TALT_CAUSAL_MIN_SEQLEN_Q", backward.BWD_TALT_MIN_SEQLEN_Q)
     sq = backward.BWD_TALT_MIN_SEQLEN_Q + 52
     assert backward.batched_overrides(128, None, causal, sq) == backward.BATCHED_TALT

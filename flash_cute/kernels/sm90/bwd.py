@@ -138,13 +138,13 @@ DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ turn + the dQ warp
 DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
 STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
-# dq_split "t" / "talt" (BwdSm90Config.dq_frag): sdQ, and so dQaccum (the bulk reduce copies
-# bytes), holds each dQ^T chunk (DQ_FRAG_M rows of d x tile_m queries) in the wgmma
-# accumulator's register order: thread t's values 4v..4v+3 at 4 * (WG_THREADS * v + t), one
-# conflict-free 16-byte store each (row-major it took one scalar store per value); bwd_post
-# undoes the order.
-DQ_FRAG_M = 64       # d rows per dQ^T wgmma (its M): one fragment-order chunk
-DQ_FRAG_VEC = 4      # fp32 values per 16-byte store
+# dq_split "t" / "talt": a warp's transposed dQ^T store writes 8 d-columns x 4 query rows 2
+# apart; with 128-float rows these share banks (4-way). XOR-ing d's bits 3-4 with the query's
+# bits 1-2 (element offset bits 8-9 into 3-4) spreads them over 32 banks. A layout swizzle (on
+# the offset in sdQ), not a pointer one (on the address: would need sdQ 4 KB-aligned).
+# dQaccum holds the same order (the bulk reduce copies bytes); bwd_post undoes it
+# (BwdSm90Config.dq_swizzle).
+DQT_SWIZZLE = (2, 3, 5)
 AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself (to_16bit)
 
 
@@ -380,7 +380,9 @@ class FlashBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sLSE_layout)
         sD = storage.sD.get_tensor(sLSE_layout)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sdQ = storage.sdQ.get_tensor(
+            cute.make_composed_layout(cute.make_swizzle(*DQT_SWIZZLE), 0, sdQ_layout)
+            if const_expr(self.cfg.dq_swizzle) else sdQ_layout)
 
         tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
                           mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
@@ -568,8 +570,8 @@ class FlashBwdSm90:
                 tdQrdS = mma_dq.make_fragment_B(thr_dq.partition_B(transpose_mn(sdS)))
                 tdQrK = [mma_dq.make_fragment_A(thr_dq.partition_A(x)) for x in kt]
                 tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
-                tdQsdQ = [self.dq_frag(sdQ, tdQrdQ, c, tidx % WG_THREADS)
-                          for c in range(d // chunk)]
+                tdQsdQ = [thr_dq.partition_C(cute.local_tile(transpose_mn(sdQ), (chunk, tm),
+                                                             (c, 0))) for c in range(d // chunk)]
             else:
                 tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
                 tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(x)) for x in kt]
@@ -587,7 +589,7 @@ class FlashBwdSm90:
             tdQrdS = mma_dq.make_fragment_B(op_dq.partition_B(transpose_mn(sdS)))
             tdQrK = [mma_dq.make_fragment_A(op_dq.partition_A(transpose_mn(sK)))]
             tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((d, tm)), Float32)
-            tdQsdQ = [self.dq_frag(sdQ, tdQrdQ, wg, tidx % WG_THREADS)]
+            tdQsdQ = [thr_dq.partition_C(transpose_mn(sdQ))]
         else:
             # This warpgroup's half of the dQ tile ("n": of d, "m": of the query rows) = dS K
             # over all tile_n keys, one wgmma group; the tiled MMA's thread layout picks the
@@ -887,17 +889,6 @@ class FlashBwdSm90:
             gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
                  wait_group=0)
             cute.autovec_copy(tdQrdQ, tdQsdQ[c])
-
-    def dq_frag(self, sdQ: cute.Tensor, tdQrdQ: cute.Tensor, chunk, t: Int32) -> cute.Tensor:
-        """cfg.dq_frag: thread ``t``'s (of its warpgroup) slice of sdQ for dQ^T chunk
-        ``chunk``, laid out like its accumulator ``tdQrdQ`` (see DQ_FRAG_M)."""
-        vecs = cute.size(tdQrdQ) // DQ_FRAG_VEC
-        order = cute.make_layout((DQ_FRAG_VEC, vecs), stride=(1, DQ_FRAG_VEC * WG_THREADS))
-        sChunk = cute.make_tensor(
-            sdQ.iterator + chunk * DQ_FRAG_M * self.tile_m,
-            cute.make_layout((WG_THREADS, cute.size(tdQrdQ)), stride=(DQ_FRAG_VEC, 1)))
-        thr = cute.make_tensor(sChunk[t, None].iterator, cute.composition(order, tdQrdQ.layout))
-        return thr
 
     def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
         """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""

@@ -22,10 +22,9 @@ of CTA timing and needs no zeroed accumulator. Thread mapping: one thread per 8-
 of one output row (16 bytes out, G x 32 bytes in), a flat 1-D grid; sizes and strides are
 runtime values, so one compile serves every shape of a (dtype, head dim).
 
-dQ of the 80-row tile (``dq_frag=True``, BwdSm90Config.dq_frag): the main kernel wrote each
-tile's dQ^T in the wgmma accumulator's register order (kernels/sm90/bwd.py DQ_FRAG_M), so a
-tile's output vectors are numbered to match it (``frag_vector``): a thread gathers its 8 values
-16 floats apart, and a warp's 8 loads each cover two 64-byte runs, its stores 8 rows x 64 bytes.
+dQ of the 80-row tile (``dq_swizzle=True``, BwdSm90Config.dq_swizzle): the main kernel wrote
+each dQaccum row's 8-float groups permuted (group g of row r at g ^ ((r >> 1) & 3), r counted
+from a tile start, all multiples of 8), so a thread reads its vector from the permuted group.
 
 PDL (``pdl=True``, kernels/sm90/pdl.py): launched as a programmatic dependent of the kernel
 before it (the main kernel, or this one for the GQA sums), so every thread waits for that
@@ -41,30 +40,25 @@ from cutlass import Float32, const_expr
 from ..common import scheduler
 from ..common.seqlen import SeqlenInfo
 from . import pdl
-from .bwd import DQ_FRAG_M, DQ_FRAG_VEC, WG_THREADS
 
 THREADS = 128
 VEC = 8  # elements per thread: 16 bytes of 2-byte output, two 16-byte fp32 loads per head
-FRAG_R_STRIDE = 4 * DQ_FRAG_VEC  # dq_frag: consecutive d-columns, 4 threads of a quad apart
 
 
 class FlashBwdPostSm90:
     def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
-                 pdl: bool = False, dq_frag: bool = False):
+                 pdl: bool = False, dq_swizzle: bool = False):
         """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
-        launched as the programmatic dependent of the kernel before it. ``dq_frag``: dQ of a
-        tile in fragment order (module docstring)."""
+        launched as the programmatic dependent of the kernel before it. ``dq_swizzle``: the
+        accumulator's column groups are permuted per row (module docstring)."""
         if head_dim % VEC != 0:
             raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
-        if dq_frag and (head_dim % DQ_FRAG_M != 0 or tile_m % VEC != 0):
-            raise ValueError(f"dq_frag needs head_dim % {DQ_FRAG_M} == 0 and tile_m % {VEC} == 0,"
-                             f" got {head_dim}, {tile_m}")
         self.dtype = dtype
         self.d = head_dim
         self.varlen = varlen
         self.tile_m = tile_m
         self.pdl = pdl
-        self.dq_frag = dq_frag
+        self.dq_swizzle = dq_swizzle
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
@@ -77,9 +71,6 @@ class FlashBwdPostSm90:
         if const_expr(self.varlen):
             grid = [scheduler.varlen_num_tiles(mOut.shape[0], mCuSeqlensQ.shape[0] - 1,
                                                self.tile_m, mOut.shape[1]), 1, 1]
-        elif const_expr(self.dq_frag):  # whole tiles (b, h, query tile)
-            tiles = mOut.shape[0] * mOut.shape[2] * cute.ceil_div(mOut.shape[1], self.tile_m)
-            grid = [cute.ceil_div(tiles * self.tile_m * vecs_per_row, THREADS), 1, 1]
         else:
             total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
             grid = [cute.ceil_div(total, THREADS), 1, 1]
@@ -93,8 +84,6 @@ class FlashBwdPostSm90:
         pdl.launch_dependents(self.pdl)  # a following GQA sum may start its prologue
         if const_expr(self.varlen):
             self.kernel_varlen(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ)
-        elif const_expr(self.dq_frag):
-            self.kernel_batched_frag(mAcc, mOut, scale)
         else:
             self.kernel_batched(mAcc, mOut, scale)
 
@@ -115,21 +104,15 @@ class FlashBwdPostSm90:
             vecs_per_row = self.d // VEC
             for i in cutlass.range_constexpr(-(-self.tile_m * vecs_per_row // THREADS)):
                 v = i * THREADS + tidx
-                row, col, off0 = v // vecs_per_row, v % vecs_per_row, 0
-                if const_expr(self.dq_frag):
-                    row, col, off0 = self.frag_vector(v)
-                pos = block * self.tile_m + row
+                pos = block * self.tile_m + v // vecs_per_row
+                col = v % vecs_per_row
                 if v < self.tile_m * vecs_per_row and pos < rows:
                     acc = cute.make_rmem_tensor((VEC,), Float32)
                     acc.fill(0.0)
                     if pos < seq.seqlen_q:  # past seqused_q: 0
-                        if const_expr(self.dq_frag):
-                            tile = block * self.tile_m + seq.offset_q_pad
-                            self.gather(acc, mAcc[tile, head, None], off0)
-                        else:
-                            gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
-                                                   (VEC,), (col,))
-                            cute.autovec_copy(gAcc, acc)
+                        gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
+                                               (VEC,), (self.src_col(col, pos),))
+                        cute.autovec_copy(gAcc, acc)
                     out = cute.make_rmem_tensor((VEC,), self.dtype)
                     out.store((acc.load() * scale).to(self.dtype))
                     cute.autovec_copy(out, cute.local_tile(mOut[seq.offset_q + pos, head, None],
@@ -155,56 +138,13 @@ class FlashBwdPostSm90:
             part = cute.make_rmem_tensor((VEC,), Float32)
             for g in cutlass.range(group, unroll=1):
                 gAcc = cute.local_tile(mAcc[b, pos, head * group + g, None], (VEC,),
-                                       (col,))
+                                       (self.src_col(col, pos),))
                 cute.autovec_copy(gAcc, part)
                 acc.store(acc.load() + part.load())
             out = cute.make_rmem_tensor((VEC,), self.dtype)
             out.store((acc.load() * scale).to(self.dtype))
             cute.autovec_copy(out, cute.local_tile(mOut[b, pos, head, None], (VEC,), (col,)))
 
-    @cute.jit
-    def kernel_batched_frag(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32):
-        """dQ in fragment order (G = 1): a thread per output vector, numbered per whole tile."""
-        tidx = cute.arch.thread_idx()[0]
-        bidx = cute.arch.block_idx()[0]
-        batch, seqlen, heads = mOut.shape[0], mOut.shape[1], mOut.shape[2]
-        tile_vecs = self.tile_m * (self.d // VEC)
-        tiles = cute.ceil_div(seqlen, self.tile_m)
-        v = bidx * THREADS + tidx
-        row, col, off0 = self.frag_vector(v % tile_vecs)
-        t = v // tile_vecs
-        m_block = t % tiles
-        head = (t // tiles) % heads
-        b = t // tiles // heads
-        pos = m_block * self.tile_m + row
-        if b < batch and pos < seqlen:
-            acc = cute.make_rmem_tensor((VEC,), Float32)
-            self.gather(acc, mAcc[b, m_block * self.tile_m, head, None], off0)
-            out = cute.make_rmem_tensor((VEC,), self.dtype)
-            out.store((acc.load() * scale).to(self.dtype))
-            cute.autovec_copy(out, cute.local_tile(mOut[b, pos, head, None], (VEC,), (col,)))
-
-    def frag_vector(self, u):
-        """dq_frag: output vector ``u`` of a tile -> (row, vector column, offset in floats of
-        its first value from the tile start); value r lies at offset + FRAG_R_STRIDE * r.
-
-        The dQ^T wgmma's accumulator (M = DQ_FRAG_M d-columns, N = tile_m queries): thread
-        t = 32 w + 4 r + q of a warpgroup holds d-columns 16 w + r (+ 8 i) and queries
-        8 j + 2 q (+ k) as value k + 2 i + 4 j. u's bits are taken k, q, i, w first (a warp's
-        loads hit two 64-byte runs), then the chunk of d, then j."""
-        k, q, i = u % 2, (u // 2) % 4, (u // 8) % 2
-        w = (u // 16) % 4
-        chunk = (u // 64) % (self.d // DQ_FRAG_M)
-        j = u // (64 * (self.d // DQ_FRAG_M))
-        row = 8 * j + 2 * q + k
-        col = (chunk * DQ_FRAG_M + 16 * w + 8 * i) // VEC
-        off0 = (chunk * DQ_FRAG_M * self.tile_m + j * DQ_FRAG_VEC * WG_THREADS
-                + (32 * w + q) * DQ_FRAG_VEC + 2 * i + k)
-        return row, col, off0
-
-    @cute.jit
-    def gather(self, acc: cute.Tensor, gTile: cute.Tensor, off0):
-        """acc = the VEC floats at off0 + FRAG_R_STRIDE * r from the start of ``gTile`` (a
-        tile's first row: dq_frag tiles have unpadded rows, so the tile is contiguous)."""
-        src = cute.make_tensor(gTile.iterator + off0, cute.make_layout(VEC, stride=FRAG_R_STRIDE))
-        cute.autovec_copy(src, acc)
+    def src_col(self, col, row):
+        """The accumulator's vector index holding output vector ``col`` of ``row``."""
+        return col ^ ((row >> 1) & 3) if const_expr(self.dq_swizzle) else col
