@@ -136,11 +136,12 @@ def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool 
             **(NARROW_FWD if narrow else {})}
 
 
-# Varlen calls walk tiles as batched ones do (persistent_fwd_walk over the grid's bound on the
-# tiles; FLASH_CUTE_FWD_PERSISTENT=0 turns it off). H200, bench/varlen_workload.py --fwd-walks
-# 0 dyn (d=128 causal, 16k tokens, interleaved in one process): forward 0.209 / 0.239 ms, forward
-# + backward 0.862 / 0.888 ms (session 13). Session 12's step slowdown (1.07 ms) came from
-# separate processes and did not reproduce interleaved; the per-kernel GPU times agree.
+# Varlen calls walk tiles (persistent_fwd_order) whatever their lengths, so a training loop's
+# changing lengths never switch kernels (one compile; a call below one wave runs a tile per
+# CTA in effect); FLASH_CUTE_FWD_PERSISTENT=0 turns it off. H200, bench/varlen_workload.py
+# --fwd-walks 0 dyn (d=128 causal, 16k tokens, interleaved in one process): forward 0.209 /
+# 0.239 ms, forward + backward 0.862 / 0.888 ms (session 13). Session 12's step slowdown
+# (1.07 ms, separate processes) did not reproduce interleaved; the per-kernel GPU times agree.
 VARLEN_FWD_PERSISTENT_AUTO = True
 
 
@@ -157,6 +158,12 @@ def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):
     the one-tile grid in 6 of 7 cells (-2% at d=256 s=1k)."""
     if num_tiles <= num_sms:
         return None
+    return persistent_fwd_order(causal)
+
+
+def persistent_fwd_order(causal: bool) -> str:
+    """The persistent forward's tile order: the dynamic one (atomic counter) deals unequal
+    causal tiles, the static walk equal ones (persistent_fwd_walk)."""
     return "dynamic" if causal else "static"
 
 

@@ -21,7 +21,8 @@ import torch
 
 from .config import (SUPPORTED_HEAD_DIMS, VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config,
                      fwd_l2_budget, fwd_overrides, fwd_own_o, fwd_tile_m, heads_per_section,
-                     l2_sections, narrow_fwd, persistent_fwd_overrides, persistent_fwd_walk)
+                     l2_sections, narrow_fwd, persistent_fwd_order, persistent_fwd_overrides,
+                     persistent_fwd_walk)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
@@ -31,8 +32,8 @@ _cache_lock = threading.Lock()
 # static walk non-causal, dynamic causal), one CTA per SM; "0": never; "1": the static walk
 # past one wave, causal too; "ctas=N": the static walk on every call with N CTAs (tests: long
 # tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with the dynamic
-# tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls follow it too
-# (config.VARLEN_FWD_PERSISTENT_AUTO).
+# tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls follow it when it is
+# set; unset they always walk (config.VARLEN_FWD_PERSISTENT_AUTO).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 
 
@@ -206,12 +207,16 @@ def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int, t
 
 
 def _varlen_persistent_ctas(device, d: int, causal: bool, total_q: int, batch: int, h: int):
-    """_persistent_ctas for a varlen call, where config.VARLEN_FWD_PERSISTENT_AUTO or the
-    environment asks for the persistent kernel (else None). It counts the grid's bound on the
-    tiles, total_q // tile_m + batch query blocks per head (scheduler.varlen_num_tiles),
-    without reading the lengths."""
-    if not VARLEN_FWD_PERSISTENT_AUTO and os.environ.get(PERSISTENT_FWD_ENV, "auto") == "auto":
-        return None
+    """_persistent_ctas for a varlen call. Auto (config.VARLEN_FWD_PERSISTENT_AUTO): the walk
+    of persistent_fwd_order on one CTA per SM for every call, its lengths unread (one kernel
+    for any lengths). Set, the environment decides as for batched calls, counting the grid's
+    bound on the tiles, total_q // tile_m + batch query blocks per head
+    (scheduler.varlen_num_tiles)."""
+    if os.environ.get(PERSISTENT_FWD_ENV, "auto") == "auto":
+        dynamic = persistent_fwd_order(causal) == "dynamic"
+        if not VARLEN_FWD_PERSISTENT_AUTO or persistent_fwd_overrides(d, causal, dynamic) is None:
+            return None
+        return num_sms(device), dynamic
     tile_m = fwd_tile_m(d, narrow=False)
     return _persistent_ctas(device, d, causal, (total_q // tile_m + batch) * tile_m, h, tile_m)
 

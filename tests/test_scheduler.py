@@ -150,16 +150,16 @@ def test_l2_section_sizes():
 
 
 def test_varlen_forward_walks_tiles(monkeypatch):
-    """Varlen calls walk tiles as batched ones do (config.VARLEN_FWD_PERSISTENT_AUTO): past one
-    wave of the grid's bound on the tiles, dynamic when causal; FLASH_CUTE_FWD_PERSISTENT
-    forces a walk or, "0", one tile per CTA."""
+    """Varlen calls always walk tiles (config.VARLEN_FWD_PERSISTENT_AUTO), dynamic when
+    causal, whatever the lengths (one kernel: test_gpu's no-recompile test);
+    FLASH_CUTE_FWD_PERSISTENT forces a walk or, "0", one tile per CTA."""
     from flash_cute import dispatch
     cpu = torch.device("cpu")
     monkeypatch.delenv(dispatch.PERSISTENT_FWD_ENV, raising=False)
     monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
     assert dispatch._varlen_persistent_ctas(cpu, 128, True, 16384, 22, 16) == (132, True)
     assert dispatch._varlen_persistent_ctas(cpu, 128, False, 16384, 22, 16) == (132, False)
-    assert dispatch._varlen_persistent_ctas(cpu, 128, True, 512, 2, 2) is None  # < one wave
+    assert dispatch._varlen_persistent_ctas(cpu, 128, True, 5, 2, 2) == (132, True)
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=5")
     assert dispatch._varlen_persistent_ctas(cpu, 128, True, 16384, 22, 16) == (5, True)
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "0")
