@@ -901,8 +901,8 @@ class FlashBwdSm90:
         with a TMA bulk reduction; sdQ is handed back once the reduction has read it."""
         lane = cute.arch.lane_idx()
         self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
+        if lane == 0:  # sdQ read: the CTA may exit (its adds land before the grid completes)
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,

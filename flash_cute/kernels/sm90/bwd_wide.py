@@ -336,7 +336,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
             FlashBwdSm90.dq_reduce(self, mdQaccum, mSem, sdQ, tiles)
         else:
             self.dq_tile(mdQaccum, mSem, sdQ, cute.arch.lane_idx(), tiles, None)
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ read (as bwd.py's)
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
