@@ -70,10 +70,9 @@ barrier = 1 arrive (load warp lane 0, after writing the slot), empty barrier = 1
 
 Named barriers: EPILOGUE (128n + 32) makes sO visible before warp 4 issues the TMA store
 (varlen: 128n, before the consumers read sO back, and persistent without own_o again after
-their row stores, before warp 4 releases Q); O_FREE + i (128 + 32, own_o, one per consumer
-warpgroup i) keeps warpgroup i's next sO writes behind the store's read (warp 4 arrives on
-each once up front and after each store; varlen: O_FREE alone, 128n, the consumers' own
-stores); V_TAIL (128n, varlen) orders the zeroing of the
+their row stores, before warp 4 releases Q); O_FREE (128n + 32, own_o) keeps the next tile's
+sO writes behind the store's read (warp 4 arrives once up front and after each store;
+varlen: 128n, the consumers' own stores); V_TAIL (128n, varlen) orders the zeroing of the
 last V block before any warpgroup's P V reads it;
 TURN_WG1/TURN_WG2 (256, n = 2 only, off by default) order the two warpgroups' GEMM issue
 (ping-pong: one warpgroup's softmax runs under the other's GEMMs; persistent too, the turns
@@ -131,8 +130,7 @@ class Barrier(enum.IntEnum):
     TURN_WG1 = 2      # TURN_WG1 + i: consumer warpgroup i may issue its GEMMs
     TURN_WG2 = 3
     V_TAIL = 4        # varlen: the last V block's tail is zeroed before anyone's P V reads it
-    O_FREE = 5        # cfg.own_o: the previous tile's O store has read sO (warp 4 arrives);
-    # batched, one per consumer warpgroup: O_FREE + i (ids 5..7)
+    O_FREE = 5        # cfg.own_o: the previous tile's O store has read sO (warp 4 arrives)
 
 
 class FlashFwdSm90:
@@ -149,13 +147,9 @@ class FlashFwdSm90:
         self.load_regs, self.consumer_regs = REGISTER_SPLIT[self.num_wg]
         self.num_threads = WG_THREADS * (1 + self.num_wg)
         self.num_consumer_threads = WG_THREADS * self.num_wg
-        # O_FREE (own_o), batched: one barrier per consumer warpgroup, its 128 threads and the
-        # O-storing warp, so a warpgroup writes its rows of sO once the previous store has read
-        # them, without waiting for the other warpgroups to reach their epilogue (one barrier
-        # for all consumers held them in step: the lockstep the mbarrier hand-off of session 10
-        # avoided at d=64). Varlen's consumers store O themselves, reading every row of sO: one
-        # barrier of all consumers keeps their reads before anyone's next writes.
-        self.o_free_threads = self.num_consumer_threads if varlen else WG_THREADS + 32
+        # O_FREE (own_o): the consumers and the O-storing warp; varlen's consumers store O
+        # themselves, so there it only keeps every consumer's sO reads before anyone's writes.
+        self.o_free_threads = self.num_consumer_threads + (0 if varlen else 32)
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
@@ -595,10 +589,7 @@ class FlashFwdSm90:
         rO.store(tOrO.load().to(self.dtype))
 
         if const_expr(self.cfg.own_o):  # the previous tile's store has read sO
-            o_free = Int32(int(Barrier.O_FREE))
-            if const_expr(not self.varlen):  # this warpgroup's barrier
-                o_free += cute.arch.make_warp_uniform(tidx // WG_THREADS)
-            cute.arch.barrier(barrier_id=o_free, number_of_threads=self.o_free_threads)
+            cute.arch.barrier(barrier_id=int(Barrier.O_FREE), number_of_threads=self.o_free_threads)
         stmatrix_acc(mma_pv, rO, sO, tidx)
 
         # LSE: the thread holding column 0 of a row writes it.
@@ -648,13 +639,11 @@ class FlashFwdSm90:
 
     @cute.jit
     def free_o(self):
-        """cfg.own_o: warp 4 (the O-storing warp) arrives on every warpgroup's O_FREE once
-        before the first tile and after each store has read sO; each consumer warpgroup waits
-        on its own before writing its sO rows (warp 4 counts twice in the first one, as in
-        EPILOGUE). The last arrives stay pending. Varlen: nothing (the consumers store O
-        themselves; O_FREE is theirs alone)."""
+        """cfg.own_o: warp 4 (the O-storing warp) arrives on O_FREE once before the first tile
+        and after each store has read sO; every consumer thread waits on it before writing sO
+        (the count includes warp 4 twice, as EPILOGUE's). The last arrive stays pending.
+        Varlen: nothing (the consumers store O themselves; O_FREE is theirs alone)."""
         if const_expr(self.cfg.own_o and not self.varlen):
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
-                for i in cutlass.range_constexpr(self.num_wg):
-                    cute.arch.barrier_arrive(barrier_id=int(Barrier.O_FREE) + i,
-                                             number_of_threads=self.o_free_threads)
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.O_FREE),
+                                         number_of_threads=self.o_free_threads)
