@@ -83,6 +83,17 @@ VARIANTS = {
     "p2wg_own_o": lambda d, causal, s: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "num_consumer_wg": 2, **OWN_O}
         if d == 64 else None),
+    # Session 13: O rescaled under the next S GEMM (cfg.early_rescale) against the walk
+    # without it, and with the packed P conversion (the causal d=256 kernel spills without).
+    "late": lambda d, causal, s: {**fwd_overrides(d, causal, True, causal,
+                                                  own_o=fwd_own_o(d, causal, s)),
+                                  "early_rescale": False},
+    "early": lambda d, causal, s: {**fwd_overrides(d, causal, True, causal,
+                                                   own_o=fwd_own_o(d, causal, s)),
+                                   "early_rescale": True},
+    "early_packed": lambda d, causal, s: {**fwd_overrides(d, causal, True, causal,
+                                                          own_o=fwd_own_o(d, causal, s)),
+                                          "early_rescale": True, "packed_p_cvt": True},
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),
@@ -97,6 +108,8 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "own_o": [(64, 4096, False), (64, 16384, False), (64, 4096, True), (96, 1024, False),
               (96, 1024, True), (96, 4096, False), (96, 16384, True)],
     # ... and the cells where own_o's hand-off (named barrier vs mbarrier) was compared.
+    "wide": [(256, 1024, False), (256, 4096, False), (256, 16384, False), (256, 1024, True),
+             (256, 4096, True), (256, 16384, True), (192, 4096, False), (192, 4096, True)],
     "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),
                (128, 16384, False), (128, 1024, True), (96, 1024, True)],
 }

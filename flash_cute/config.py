@@ -40,6 +40,11 @@ class FwdSm90Config:
     # and epilogue (aliased, Q waits for the O store to read sO: ncu put 10% of the d=128
     # s=1k forward's stall samples on that Q wait). Costs tile_m * d * 2 bytes of smem.
     own_o: bool = False
+    # Rescale O by the previous block's factor right after issuing the next S = Q K^T, under
+    # that GEMM and just before the P V that adds into O, instead of after P V's wait, where
+    # the multiply (d/2 per row pair and thread: 128 FMULs at d=256) ran with no GEMM of this
+    # warpgroup queued. FA3 / FA4 do so for d > 128.
+    early_rescale: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg != 2:
@@ -48,6 +53,8 @@ class FwdSm90Config:
             raise ValueError("dynamic is a persistent tile order: set persistent=True too")
         if self.own_o and not self.persistent:
             raise ValueError("own_o: persistent only (one tile per CTA never reloads Q)")
+        if self.early_rescale and self.pingpong:
+            raise ValueError("early_rescale would run inside the ping-pong GEMM turn")
 
     @property
     def tile_m(self):
@@ -77,7 +84,8 @@ class FwdSm90Config:
 PACKED = {"packed_p_cvt": True}
 PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
                   (128, False): {**PACKED, "tile_n": 176}, (128, True): {},
-                  (192, False): PACKED, (192, True): {}, (256, False): PACKED, (256, True): {}}
+                  (192, False): PACKED, (192, True): {},
+                  (256, False): {**PACKED, "early_rescale": True}, (256, True): {}}
 
 # Session 10: the persistent forward stages O in a buffer of its own (FwdSm90Config.own_o)
 # where shared memory allows, d <= 128 with 128-key blocks (d=128 non-causal then gives up the

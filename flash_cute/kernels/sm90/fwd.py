@@ -458,6 +458,9 @@ class FlashFwdSm90:
         if const_expr(self.varlen):
             self.zero_v_tail(sV, pipe_v, kv, n_max, seqlen_k, tidx)
 
+        # cfg.early_rescale: the factor O still owes, applied before the next P V is issued.
+        o_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+        o_scale.fill(1.0)
         # Blocks crossing the causal diagonal, then blocks that need no mask.
         n_unmasked_end = n_max - 1
         if const_expr(self.causal):
@@ -466,14 +469,16 @@ class FlashFwdSm90:
                     m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k))
             for i in cutlass.range(n_max - 1 - n_unmasked_end, unroll=1):
                 kv = self.mma_block(n_max - 2 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ,
-                                    tSrK, tOrV, softmax, pipe_k, pipe_v, wg, mask)
+                                    tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, mask)
         for i in cutlass.range(n_unmasked_end, unroll=1):
             kv = self.mma_block(n_unmasked_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
-                                tSrQ, tSrK, tOrV, softmax, pipe_k, pipe_v, wg, None)
+                                tSrQ, tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, None)
 
         if const_expr(self.cfg.own_o):
             pipe_q.consumer_release(q)  # every QK^T of the tile has completed
         # Last P V.
+        if const_expr(self.cfg.early_rescale):
+            rescale_rows(tOrO, o_scale)
         pipe_v.consumer_wait(kv)
         gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv.index], zero_init=False, wait_group=0)
         pipe_v.consumer_release(kv)
@@ -486,14 +491,17 @@ class FlashFwdSm90:
 
     @cute.jit
     def mma_block(self, n_block: Int32, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ, tSrK, tOrV,
-                  softmax: OnlineSoftmax, pipe_k, pipe_v, wg: Int32, mask):
-        """One key block with intra-warpgroup overlap: S_n = Q K_n^T runs beside O += P V_prev."""
+                  softmax: OnlineSoftmax, o_scale: cute.Tensor, pipe_k, pipe_v, wg: Int32, mask):
+        """One key block with intra-warpgroup overlap: S_n = Q K_n^T runs beside O += P V_prev.
+        ``o_scale``: cfg.early_rescale's pending factor of O (read, then replaced)."""
         kv_prev = kv.clone()
         kv.advance()
         pipe_k.consumer_wait(kv)
         self.wait_turn(wg)
         gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True,
              wait_group=-1)
+        if const_expr(self.cfg.early_rescale):  # under S_n; O's last P V was waited on
+            rescale_rows(tOrO, o_scale)
         pipe_v.consumer_wait(kv_prev)
         gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv_prev.index], zero_init=False,
              wait_group=-1)
@@ -511,7 +519,10 @@ class FlashFwdSm90:
         warpgroup.wait_group(0)  # P is about to be overwritten
         pipe_v.consumer_release(kv_prev)
         self.convert_p(tOrP, tSrS)
-        rescale_rows(tOrO, row_scale)
+        if const_expr(self.cfg.early_rescale):
+            o_scale.store(row_scale.load())
+        else:
+            rescale_rows(tOrO, row_scale)
         return kv
 
     @cute.jit
