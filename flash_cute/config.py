@@ -82,10 +82,17 @@ class FwdSm90Config:
 # every shipped d <= 128 persistent call adds OWN_O below (128-key blocks again); these
 # entries remain the walk underneath it and the baseline it was measured against.
 PACKED = {"packed_p_cvt": True}
+# Session 13 (bench/exp_fwd.py --shapes wide --variants late early early_packed, H200, TFLOP/s
+# late / early / early + packed P): d=256 non-causal 658 / 674 / 674 (s=1k), 675 / 697 / 702
+# (4k), 707 / 740 / 723 (16k); causal 481 / 481 / 491, 664 / 672 / 691, 697 / 711 / 716 (the
+# causal kernels spill a word with early alone, none with packed P); d=192 causal 4k 639 / 632
+# / 657, non-causal 746 / 704 / 689 (keeps the late rescale).
+EARLY_RESCALE = {"early_rescale": True}
 PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
                   (128, False): {**PACKED, "tile_n": 176}, (128, True): {},
-                  (192, False): PACKED, (192, True): {},
-                  (256, False): {**PACKED, "early_rescale": True}, (256, True): {}}
+                  (192, False): PACKED, (192, True): {**PACKED, **EARLY_RESCALE},
+                  (256, False): {**PACKED, **EARLY_RESCALE},
+                  (256, True): {**PACKED, **EARLY_RESCALE}}
 
 # Session 10: the persistent forward stages O in a buffer of its own (FwdSm90Config.own_o)
 # where shared memory allows, d <= 128 with 128-key blocks (d=128 non-causal then gives up the
