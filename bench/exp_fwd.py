@@ -43,11 +43,12 @@ VARIANTS = {
     "persistent_ship": lambda d, causal, s: fwd_overrides(d, causal, True, causal,
                                                           own_o=fwd_own_o(d, causal, s)),
     "pingpong_persistent": lambda d, causal, s: (
-        {**persistent_fwd_overrides(d, causal, dynamic=causal), "pingpong": True}
+        {**persistent_fwd_overrides(d, causal, dynamic=causal), "pingpong": True,
+         "early_rescale": False}
         if d != 64 else None),
     "pingpong_persistent_packed": lambda d, causal, s: (
         {**persistent_fwd_overrides(d, causal, dynamic=causal), "pingpong": True,
-         "packed_p_cvt": True} if d != 64 else None),
+         "packed_p_cvt": True, "early_rescale": False} if d != 64 else None),
     # FA3's d=128 non-causal key block: 176 keys (11 x 16), 2 stages: 32 + 2 x 2 x 44 = 208 KB of
     # shared memory; fewer, longer blocks (fewer O rescales, row reductions and barrier rounds
     # per key). Spill-free only with packed_p_cvt (plain: 154 spill stores).

@@ -23,7 +23,8 @@ class FwdSm90Config:
     # Convert P with pinned packed cvt instructions. Left free, the compiler sinks the plain
     # conversion into the next iteration (S stays live in fp32): 192 x 128 tiles at d=64 spill
     # without it and compile clean with it. Timed on the H200: +2-7% at d=64, mixed at d=128
-    # (-2% non-causal, +4% causal), -5..-9% at d=256; on for d=64 only.
+    # (-2% non-causal, +4% causal), -5..-9% at d=256 (session 1, one tile per CTA); on for d=64
+    # and in some persistent walks (PERSISTENT_FWD: with early_rescale at d=192 / 256).
     packed_p_cvt: bool = False
     # About one CTA per SM, each walking tiles (common/scheduler.py) instead of one tile per CTA:
     # the next tile's Q and K/V loads overlap this tile's epilogue. Chosen per batched call by

@@ -47,7 +47,8 @@ EXPERIMENTS = ([("BFloat16", 64, True, fwd_overrides(64, True, p, dyn, narrow=Tr
                + [("BFloat16", d, c, {"pingpong": True}) for d in (128, 256)
                   for c in (False, True)]
                + [("BFloat16", d, c, {**persistent_fwd_overrides(d, c, dynamic=c),
-                                      "pingpong": True, "packed_p_cvt": True})
+                                      "pingpong": True, "packed_p_cvt": True,
+                                      "early_rescale": False})
                   for d in (128, 256) for c in (False, True)])
 
 
