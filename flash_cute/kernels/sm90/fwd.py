@@ -80,8 +80,8 @@ carrying over from tile to tile, see first_turn).
 
 Per key block (intra-warpgroup overlap): issue S_next = Q K_next^T, then O += P_prev V_prev; wait
 for S_next; mask and softmax it while P V runs; rescale O (``cfg.early_rescale``, d=256 and
-causal d=192: in the next block, under S_next, just before its P V). Masks only on the first block visited
-(ragged key tail, causal) and on blocks crossing the causal diagonal.
+causal d=192: in the next block, under S_next, just before its P V). Masks only on the first
+block visited (ragged key tail, causal) and on blocks crossing the causal diagonal.
 
 Shared memory (2-byte elements): sQ tile_m*d, sK and sV kv_stages*tile_n*d each; sO aliases
 sQ (each warpgroup overwrites only its own, already consumed, Q rows), or with own_o takes
