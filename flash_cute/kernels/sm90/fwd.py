@@ -24,9 +24,10 @@ seqused_k), and Q rows past seqlen_q are never stored: O leaves through predicat
 stores from sO instead of a TMA box that would overwrite the next sequence. A sequence with no
 keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = -inf.
 
-Persistent (``cfg.persistent``; off by default): the grid is min(tiles, SMs), and the load
-warp and every consumer warp walk the same tile sequence (common/scheduler.py: first_tile /
-next_tile, L2 sections, longest first), each carrying its pipeline states from tile to tile.
+Persistent (``cfg.persistent``; dispatch.py chooses it per call): the grid is min(tiles,
+SMs), and the load warp and every consumer warp walk the same tile sequence
+(common/scheduler.py: first_tile / next_tile, L2 sections, longest first), each carrying its
+pipeline states from tile to tile.
 Varlen: the walk ends at the count of tiles that exist (scheduler.varlen_count_tiles: the
 consumers scan the lengths once, the load warp per tile), and the consumers' own O stores
 free sO (own_o: a consumer barrier before the next tile's sO writes; aliased: the storing
