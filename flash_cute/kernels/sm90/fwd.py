@@ -460,9 +460,10 @@ class FlashFwdSm90:
         if const_expr(self.varlen):
             self.zero_v_tail(sV, pipe_v, kv, n_max, seqlen_k, tidx)
 
-        # cfg.early_rescale: the factor O still owes, applied before the next P V is issued.
-        o_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
-        o_scale.fill(1.0)
+        o_scale = None  # cfg.early_rescale: the factor O still owes, applied before its next P V
+        if const_expr(self.cfg.early_rescale):
+            o_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
+            o_scale.fill(1.0)
         # Blocks crossing the causal diagonal, then blocks that need no mask.
         n_unmasked_end = n_max - 1
         if const_expr(self.causal):
@@ -493,7 +494,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def mma_block(self, n_block: Int32, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ, tSrK, tOrV,
-                  softmax: OnlineSoftmax, o_scale: cute.Tensor, pipe_k, pipe_v, wg: Int32, mask):
+                  softmax: OnlineSoftmax, o_scale: Optional[cute.Tensor], pipe_k, pipe_v,
+                  wg: Int32, mask):
         """One key block with intra-warpgroup overlap: S_n = Q K_n^T runs beside O += P V_prev.
         ``o_scale``: cfg.early_rescale's pending factor of O (read, then replaced)."""
         kv_prev = kv.clone()
