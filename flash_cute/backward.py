@@ -67,12 +67,15 @@ import threading
 
 import torch
 
-from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80,
+from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
                      BWD_WIDE_HEAD_DIMS, BwdSm90Config, l2_sections)
 from .dispatch import NO_VARLEN, compile_kernel
 from .kernels.common.seqlen import pad_offset
 
 DEFAULT_ARCH = "sm_90a"
+# BwdSm90Config.timeline: the last batched call's stamps, (tiles, len(BWD_TIMELINE)) int32 on
+# the GPU (bench/bwd_timeline.py reads them).
+last_timeline = None
 # bwd_pre / bwd_post's varlen arguments (cu_seqlens_q, seqused_q) when batched.
 NO_VARLEN_Q = (None,) * 2
 ENV_FLAG = "FLASH_CUTE_FUSED_BWD"
@@ -270,6 +273,9 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
         # d=128 kernel also leaves the lockstep split above and spills).
         cfg_overrides.setdefault("early_lse_d", False)
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
+    if cfg.timeline and (varlen or deterministic):
+        raise NotImplementedError("BwdSm90Config.timeline: batched, non-deterministic calls only "
+                                  "(its stamps take the semaphores' buffer)")
     kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
     dkv_dt = cutlass.Float32 if gqa else dt
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
@@ -549,6 +555,11 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dpsum = torch.empty((b, h, sq_pad), **f32)
     dq_accum = torch.empty((b, h, sq_pad, cfg.dq_row), **f32)[..., :d]
     sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic, q.device)
+    if cfg.timeline:  # the stamps of every tile (config.BWD_TIMELINE) in place of semaphores
+        sem = torch.zeros((b, h, -(-sk // cfg.tile_n) * len(BWD_TIMELINE)), dtype=torch.int32,
+                          device=q.device)
+        global last_timeline
+        last_timeline = sem.view(-1, len(BWD_TIMELINE))  # tile (= blockIdx.x) x slot
     if gqa:
         dk_out = torch.empty((b, sk, h, d), **f32)
         dv_out = torch.empty((b, sk, h, d), **f32)

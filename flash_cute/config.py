@@ -274,6 +274,13 @@ BWD_TILE_M80 = 80
 BWD_TILE_M80_HEAD_DIMS = (128,)
 
 
+# BwdSm90Config.timeline: the int32 slots of a tile, in order: five phase ends in the SM's
+# clock (cycles, comparable within one SM), its SM id and query blocks, and its start in
+# globaltimer ns (comparable across SMs).
+BWD_TIMELINE = ("start", "kv_in", "blocks_done", "epilogue_done", "dq_done", "sm", "blocks",
+                "start_ns")
+
+
 @dataclass(frozen=True)
 class BwdSm90Config:
     """Tile shape and pipeline depth of the SM90 backward kernel for one head dim.
@@ -356,6 +363,10 @@ class BwdSm90Config:
     # exp2 at once behind an idle tensor pipe: ncu, docs/performance.md session 5). Per-parity
     # named barriers keep consecutive blocks' phases apart. One CTA per tile only.
     stagger: bool = False
+    # Diagnostic (bench/bwd_timeline.py): every CTA of the batched one-tile-per-CTA kernel
+    # writes globaltimer stamps of its phases and its SM (BWD_TIMELINE) into the semaphore
+    # buffer, which backward.bwd then sizes for it. Not with deterministic (its semaphores).
+    timeline: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -472,6 +483,8 @@ class BwdSm90Config:
                              f"persistent {self.persistent}")
         if (self.do_stages or self.dq_per_turn) and not self.wide:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
+        if self.timeline and (self.wide or self.persistent):
+            raise ValueError("timeline: the narrow one-tile-per-CTA kernel only")
 
     @property
     def dq_cols_per_wg(self) -> int:

@@ -351,3 +351,32 @@ def test_module_entry_point_compiles_on_cpu():
                           text=True, timeout=1200, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "compile:" in proc.stdout
+
+
+def _bench_module(name):
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bwd_timeline_phases():
+    """bench/bwd_timeline.py's arithmetic on made-up stamps: two CTAs on one SM (the second
+    starting 50 cycles after the first's dQ warp, the clock wrapping 2^32 in between), one
+    on another SM whose dQ warp finished before its epilogue."""
+    from flash_cute.config import BWD_TIMELINE
+    tl = _bench_module("bwd_timeline")
+    top = 1 << 32
+    rows = [dict(start=top - 100, kv_in=top - 40, blocks_done=860, epilogue_done=960,
+                 dq_done=990, sm=3, blocks=4, start_ns=1000),
+            dict(start=1040, kv_in=1100, blocks_done=2000, epilogue_done=2100, dq_done=2050,
+                 sm=3, blocks=2, start_ns=3000),
+            dict(start=5, kv_in=25, blocks_done=125, epilogue_done=135, dq_done=130, sm=7,
+                 blocks=1, start_ns=2000)]
+    out = tl.phases([[r[name] for name in BWD_TIMELINE] for r in rows])
+    assert out["prologue"] == [60, 60, 20]
+    assert out["blocks"] == [900, 900, 100] and out["per block"] == [225, 450, 100]
+    assert out["epilogue"] == [100, 100, 10] and out["dq tail"] == [30, 0, 0]
+    assert out["gap"] == [50]

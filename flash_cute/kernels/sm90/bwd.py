@@ -114,7 +114,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ...config import BwdSm90Config
+from ...config import BWD_TIMELINE, BwdSm90Config
 from ..common import block_info, scheduler
 from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row_copy,
                              select_modes, store_packed, transpose_mn)
@@ -398,6 +398,9 @@ class FlashBwdSm90:
             tiles = tile_at(*coords(cute.arch.block_idx()[0]))
             run = tiles.has_keys
         if run:
+            if cute.arch.thread_idx()[0] == WG_THREADS:  # the first mma thread
+                self.stamp(mSem, "start")
+                self.stamp(mSem, "start_ns", cute.arch.globaltimer_lo())
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(LOAD_REGS)
                 if warp_idx == 0:
@@ -412,7 +415,7 @@ class FlashBwdSm90:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv), sQ, sK, sV,
                          sdO, sdS, sLSE, sD, sdQ, pipe_kv, pipe_q, pipe_do, scale_log2,
-                         dk_scale, tiles)
+                         dk_scale, tiles, mSem)
         else:
             pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
 
@@ -538,8 +541,9 @@ class FlashBwdSm90:
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
             dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
             sdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
-            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles):
-        """MMA warpgroups: per tile, the loop over query blocks, then the dK / dV epilogue."""
+            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles, mSem: cute.Tensor):
+        """MMA warpgroups: per tile, the loop over query blocks, then the dK / dV epilogue.
+        ``mSem``: cfg.timeline's stamps go there."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -619,7 +623,8 @@ class FlashBwdSm90:
         frags = (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO,
                  tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
-                       sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg)
+                       sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg,
+                       mSem)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         self.each_tile(tiles, body, (kv, st))
@@ -628,8 +633,8 @@ class FlashBwdSm90:
     def mma_tile(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
                  frags, dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv, pipe_q, pipe_do,
-                 scale_log2: Float32, dk_scale: Float32, tidx: Int32, wg: Int32, tile: KeyTile,
-                 states):
+                 scale_log2: Float32, dk_scale: Float32, tidx: Int32, wg: Int32,
+                 mSem: cute.Tensor, tile: KeyTile, states):
         """One tile: zero dK / dV, the query blocks, the epilogue; returns the advanced
         (kv, q/dO) consumer states."""
         tm, tn = self.tile_m, self.tile_n
@@ -640,6 +645,8 @@ class FlashBwdSm90:
         tdVrdV.fill(0.0)
         tdKrdK.fill(0.0)
         pipe_kv.consumer_wait(kv)
+        if tidx == 0:
+            self.stamp(mSem, "kv_in")
         # Varlen: the query block where the sequence ends mid-block (-1: none) and its rows.
         q_tail, q_tail_rows = Int32(-1), Int32(0)
         if const_expr(self.varlen):
@@ -658,6 +665,10 @@ class FlashBwdSm90:
             st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
                              q_tail, q_tail_rows)
+        if tidx == 0:
+            self.stamp(mSem, "blocks_done")
+            self.stamp(mSem, "sm", cute.arch.smid())
+            self.stamp(mSem, "blocks", m_end - m_begin)
         if const_expr(self.persistent and not self.staged_dkv):
             # The last reads of sK / sV (the dQ wgmma) were waited on in the last m_step: the
             # load warp may bring the next tile's K and V in under this epilogue.
@@ -668,7 +679,18 @@ class FlashBwdSm90:
             tidx = opaque_thread_idx() - WG_THREADS
         self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
                       tile_kv)
+        if tidx == 0:
+            self.stamp(mSem, "epilogue_done")
         return kv, st
+
+    @cute.jit
+    def stamp(self, mSem: cute.Tensor, slot: cutlass.Constexpr[str], value=None):
+        """cfg.timeline (bench/bwd_timeline.py): this CTA's ``slot`` (config.BWD_TIMELINE) in
+        the semaphore buffer = ``value``, by default the SM's clock (cycles)."""
+        if const_expr(self.cfg.timeline):
+            flat = cute.make_tensor(mSem.iterator, cute.make_layout(cute.size(mSem)))
+            at = cute.arch.block_idx()[0] * len(BWD_TIMELINE) + BWD_TIMELINE.index(slot)
+            flat[at] = Int32(cute.arch.clock() if value is None else value)
 
     @cute.jit
     def zero_tail_rows(self, tiles, rows: Int32, tidx: Int32):
@@ -903,6 +925,7 @@ class FlashBwdSm90:
         self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
         if lane == 0:  # sdQ read: the CTA may exit (its adds land before the grid completes)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.stamp(mSem, "dq_done")
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,

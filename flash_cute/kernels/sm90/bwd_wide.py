@@ -182,7 +182,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
             dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
             sPdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
-            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles):
+            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles, mSem: cute.Tensor):
         """MMA warpgroups: the per-thread fragments, then bwd.py's tile loop (mma_tile) with
         this class's m_step."""
         tm, d, chunk = self.tile_m, self.d, self.cfg.dq_chunk
@@ -239,7 +239,8 @@ class FlashBwdWideSm90(FlashBwdSm90):
                  tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, thr_store, tPsPdS, tScS,
                  t0ScS)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
-                       sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg)
+                       sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg,
+                       mSem)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         if const_expr(self.cfg.do_stages):  # dO on its own ring: (Q state, dO state)
