@@ -398,9 +398,9 @@ class FlashBwdSm90:
             tiles = tile_at(*coords(cute.arch.block_idx()[0]))
             run = tiles.has_keys
         if run:
-            if cute.arch.thread_idx()[0] == WG_THREADS:  # the first mma thread
-                self.stamp(mSem, "start")
-                self.stamp(mSem, "start_ns", cute.arch.globaltimer_lo())
+            if const_expr(self.cfg.timeline):
+                if cute.arch.thread_idx()[0] == WG_THREADS:  # the first mma thread
+                    self.stamp(mSem, {"start": None, "start_ns": cute.arch.globaltimer_lo})
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(LOAD_REGS)
                 if warp_idx == 0:
@@ -415,7 +415,7 @@ class FlashBwdSm90:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv), sQ, sK, sV,
                          sdO, sdS, sLSE, sD, sdQ, pipe_kv, pipe_q, pipe_do, scale_log2,
-                         dk_scale, tiles, mSem)
+                         dk_scale, tiles, mSem if const_expr(self.cfg.timeline) else None)
         else:
             pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
 
@@ -541,9 +541,10 @@ class FlashBwdSm90:
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
             dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
             sdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
-            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles, mSem: cute.Tensor):
+            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles,
+            trace: Optional[cute.Tensor]):
         """MMA warpgroups: per tile, the loop over query blocks, then the dK / dV epilogue.
-        ``mSem``: cfg.timeline's stamps go there."""
+        ``trace``: cfg.timeline's stamps go there (the semaphore buffer), else None."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -624,7 +625,7 @@ class FlashBwdSm90:
                  tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg,
-                       mSem)
+                       trace)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         self.each_tile(tiles, body, (kv, st))
@@ -634,7 +635,7 @@ class FlashBwdSm90:
                  frags, dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv, pipe_q, pipe_do,
                  scale_log2: Float32, dk_scale: Float32, tidx: Int32, wg: Int32,
-                 mSem: cute.Tensor, tile: KeyTile, states):
+                 trace: Optional[cute.Tensor], tile: KeyTile, states):
         """One tile: zero dK / dV, the query blocks, the epilogue; returns the advanced
         (kv, q/dO) consumer states."""
         tm, tn = self.tile_m, self.tile_n
@@ -645,8 +646,9 @@ class FlashBwdSm90:
         tdVrdV.fill(0.0)
         tdKrdK.fill(0.0)
         pipe_kv.consumer_wait(kv)
-        if tidx == 0:
-            self.stamp(mSem, "kv_in")
+        if const_expr(self.cfg.timeline):
+            if tidx == 0:
+                self.stamp(trace, {"kv_in": None})
         # Varlen: the query block where the sequence ends mid-block (-1: none) and its rows.
         q_tail, q_tail_rows = Int32(-1), Int32(0)
         if const_expr(self.varlen):
@@ -665,10 +667,10 @@ class FlashBwdSm90:
             st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
                              q_tail, q_tail_rows)
-        if tidx == 0:
-            self.stamp(mSem, "blocks_done")
-            self.stamp(mSem, "sm", cute.arch.smid())
-            self.stamp(mSem, "blocks", m_end - m_begin)
+        if const_expr(self.cfg.timeline):
+            if tidx == 0:
+                self.stamp(trace, {"blocks_done": None, "sm": cute.arch.smid,
+                                   "blocks": lambda: m_end - m_begin})
         if const_expr(self.persistent and not self.staged_dkv):
             # The last reads of sK / sV (the dQ wgmma) were waited on in the last m_step: the
             # load warp may bring the next tile's K and V in under this epilogue.
@@ -679,18 +681,20 @@ class FlashBwdSm90:
             tidx = opaque_thread_idx() - WG_THREADS
         self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
                       tile_kv)
-        if tidx == 0:
-            self.stamp(mSem, "epilogue_done")
+        if const_expr(self.cfg.timeline):
+            if tidx == 0:
+                self.stamp(trace, {"epilogue_done": None})
         return kv, st
 
     @cute.jit
-    def stamp(self, mSem: cute.Tensor, slot: cutlass.Constexpr[str], value=None):
-        """cfg.timeline (bench/bwd_timeline.py): this CTA's ``slot`` (config.BWD_TIMELINE) in
-        the semaphore buffer = ``value``, by default the SM's clock (cycles)."""
-        if const_expr(self.cfg.timeline):
-            flat = cute.make_tensor(mSem.iterator, cute.make_layout(cute.size(mSem)))
+    def stamp(self, mSem: cute.Tensor, values: cutlass.Constexpr[dict]):
+        """cfg.timeline (bench/bwd_timeline.py; callers gate on it, so nothing of this reaches
+        other kernels): this CTA's slots (config.BWD_TIMELINE) in the semaphore buffer, each
+        = its callable's value, or None: the SM's clock (cycles)."""
+        flat = cute.make_tensor(mSem.iterator, cute.make_layout(cute.size(mSem)))
+        for slot, value in values.items():
             at = cute.arch.block_idx()[0] * len(BWD_TIMELINE) + BWD_TIMELINE.index(slot)
-            flat[at] = Int32(cute.arch.clock() if value is None else value)
+            flat[at] = Int32(cute.arch.clock() if value is None else value())
 
     @cute.jit
     def zero_tail_rows(self, tiles, rows: Int32, tidx: Int32):
@@ -925,7 +929,8 @@ class FlashBwdSm90:
         self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
         if lane == 0:  # sdQ read: the CTA may exit (its adds land before the grid completes)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-            self.stamp(mSem, "dq_done")
+            if const_expr(self.cfg.timeline):
+                self.stamp(mSem, {"dq_done": None})
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,

@@ -100,6 +100,7 @@ the dK / dV epilogue: predicated from registers, or with cfg.tma_epilogue staged
 TMA-stored. Not supported: the persistent scheduler.
 """
 from functools import partial
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -182,7 +183,8 @@ class FlashBwdWideSm90(FlashBwdSm90):
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
             dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
             sPdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
-            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles, mSem: cute.Tensor):
+            pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles,
+            trace: Optional[cute.Tensor]):
         """MMA warpgroups: the per-thread fragments, then bwd.py's tile loop (mma_tile) with
         this class's m_step."""
         tm, d, chunk = self.tile_m, self.d, self.cfg.dq_chunk
@@ -240,7 +242,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
                  t0ScS)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg,
-                       mSem)
+                       trace)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         if const_expr(self.cfg.do_stages):  # dO on its own ring: (Q state, dO state)
