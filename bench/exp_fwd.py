@@ -86,14 +86,11 @@ VARIANTS = {
         if d == 64 else None),
     # Session 13: O rescaled under the next S GEMM (cfg.early_rescale) against the walk
     # without it, and with the packed P conversion (the causal d=256 kernel spills without).
-    "late": lambda d, causal, s: {**fwd_overrides(d, causal, True, causal,
-                                                  own_o=fwd_own_o(d, causal, s)),
+    "late": lambda d, causal, s: {**VARIANTS["persistent_ship"](d, causal, s),
                                   "early_rescale": False},
-    "early": lambda d, causal, s: {**fwd_overrides(d, causal, True, causal,
-                                                   own_o=fwd_own_o(d, causal, s)),
+    "early": lambda d, causal, s: {**VARIANTS["persistent_ship"](d, causal, s),
                                    "early_rescale": True},
-    "early_packed": lambda d, causal, s: {**fwd_overrides(d, causal, True, causal,
-                                                          own_o=fwd_own_o(d, causal, s)),
+    "early_packed": lambda d, causal, s: {**VARIANTS["persistent_ship"](d, causal, s),
                                           "early_rescale": True, "packed_p_cvt": True},
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch

@@ -554,12 +554,13 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse_log2 = torch.empty((b, h, sq_pad), **f32)
     dpsum = torch.empty((b, h, sq_pad), **f32)
     dq_accum = torch.empty((b, h, sq_pad, cfg.dq_row), **f32)[..., :d]
-    sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic, q.device)
     if cfg.timeline:  # the stamps of every tile (config.BWD_TIMELINE) in place of semaphores
         sem = torch.zeros((b, h, -(-sk // cfg.tile_n) * len(BWD_TIMELINE)), dtype=torch.int32,
                           device=q.device)
         global last_timeline
         last_timeline = sem.view(-1, len(BWD_TIMELINE))  # tile (= blockIdx.x) x slot
+    else:
+        sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic, q.device)
     if gqa:
         dk_out = torch.empty((b, sk, h, d), **f32)
         dv_out = torch.empty((b, sk, h, d), **f32)

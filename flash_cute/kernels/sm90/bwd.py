@@ -398,9 +398,8 @@ class FlashBwdSm90:
             tiles = tile_at(*coords(cute.arch.block_idx()[0]))
             run = tiles.has_keys
         if run:
-            if const_expr(self.cfg.timeline):
-                if cute.arch.thread_idx()[0] == WG_THREADS:  # the first mma thread
-                    self.stamp(mSem, {"start": None, "start_ns": cute.arch.globaltimer_lo})
+            self.stamp(mSem, cute.arch.thread_idx()[0] - WG_THREADS,  # the first mma thread
+                       {"start": None, "start_ns": cute.arch.globaltimer_lo})
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(LOAD_REGS)
                 if warp_idx == 0:
@@ -646,9 +645,7 @@ class FlashBwdSm90:
         tdVrdV.fill(0.0)
         tdKrdK.fill(0.0)
         pipe_kv.consumer_wait(kv)
-        if const_expr(self.cfg.timeline):
-            if tidx == 0:
-                self.stamp(trace, {"kv_in": None})
+        self.stamp(trace, tidx, {"kv_in": None})
         # Varlen: the query block where the sequence ends mid-block (-1: none) and its rows.
         q_tail, q_tail_rows = Int32(-1), Int32(0)
         if const_expr(self.varlen):
@@ -667,10 +664,8 @@ class FlashBwdSm90:
             st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
                              q_tail, q_tail_rows)
-        if const_expr(self.cfg.timeline):
-            if tidx == 0:
-                self.stamp(trace, {"blocks_done": None, "sm": cute.arch.smid,
-                                   "blocks": lambda: m_end - m_begin})
+        self.stamp(trace, tidx, {"blocks_done": None, "sm": cute.arch.smid,
+                                 "blocks": lambda: m_end - m_begin})
         if const_expr(self.persistent and not self.staged_dkv):
             # The last reads of sK / sV (the dQ wgmma) were waited on in the last m_step: the
             # load warp may bring the next tile's K and V in under this epilogue.
@@ -681,20 +676,24 @@ class FlashBwdSm90:
             tidx = opaque_thread_idx() - WG_THREADS
         self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
                       tile_kv)
-        if const_expr(self.cfg.timeline):
-            if tidx == 0:
-                self.stamp(trace, {"epilogue_done": None})
+        self.stamp(trace, tidx, {"epilogue_done": None})
         return kv, st
 
     @cute.jit
-    def stamp(self, mSem: cute.Tensor, values: cutlass.Constexpr[dict]):
-        """cfg.timeline (bench/bwd_timeline.py; callers gate on it, so nothing of this reaches
-        other kernels): this CTA's slots (config.BWD_TIMELINE) in the semaphore buffer, each
-        = its callable's value, or None: the SM's clock (cycles)."""
-        flat = cute.make_tensor(mSem.iterator, cute.make_layout(cute.size(mSem)))
-        for slot, value in values.items():
-            at = cute.arch.block_idx()[0] * len(BWD_TIMELINE) + BWD_TIMELINE.index(slot)
-            flat[at] = Int32(cute.arch.clock() if value is None else value())
+    def stamp(self, mSem: Optional[cute.Tensor], thread: Int32,
+              values: cutlass.Constexpr[dict]):
+        """cfg.timeline (bench/bwd_timeline.py), by the caller's ``thread`` 0: this CTA's slots
+        (config.BWD_TIMELINE) in the semaphore buffer, each = its callable's value, or None:
+        the SM's clock (cycles). Values are callables so that no read (clock, timer, SM id)
+        is emitted in other kernels."""
+        if const_expr(self.cfg.timeline):
+            # Read by every calling thread (the branch below takes values, not callables).
+            stamps = [Int32(cute.arch.clock() if v is None else v()) for v in values.values()]
+            slots = [BWD_TIMELINE.index(slot) for slot in values]
+            if thread == 0:
+                flat = cute.make_tensor(mSem.iterator, cute.make_layout(cute.size(mSem)))
+                for i in cutlass.range_constexpr(len(slots)):
+                    flat[cute.arch.block_idx()[0] * len(BWD_TIMELINE) + slots[i]] = stamps[i]
 
     @cute.jit
     def zero_tail_rows(self, tiles, rows: Int32, tidx: Int32):
@@ -929,8 +928,7 @@ class FlashBwdSm90:
         self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
         if lane == 0:  # sdQ read: the CTA may exit (its adds land before the grid completes)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if const_expr(self.cfg.timeline):
-                self.stamp(mSem, {"dq_done": None})
+        self.stamp(mSem, lane, {"dq_done": None})
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
