@@ -84,11 +84,15 @@ CASES = {
     "persistent64c_dyn": lambda: check(64, True, 900, 900, persistent="dyn:ctas=5"),
     "fwd_own_o": lambda: (check(128, False, 900, 700, persistent="ctas=5", backward=False),
                           check(64, True, 900, 900, persistent="dyn:ctas=5", backward=False)),
+    # O rescaled under the next QK^T (early_rescale, packed P): d=256 static and d=192 causal
+    # dynamic walks, 5 CTAs, forward only.
+    "fwd_early": lambda: (check(256, False, 900, 700, persistent="ctas=5", backward=False),
+                          check(192, True, 900, 900, persistent="dyn:ctas=5", backward=False)),
     "varlen128c": lambda: check_varlen(128, True),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
-           "persistent64c_dyn", "varlen128c")
+           "persistent64c_dyn", "fwd_early", "varlen128c")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:
