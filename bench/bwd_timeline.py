@@ -1,7 +1,7 @@
 """Where a backward CTA's time goes (BwdSm90Config.timeline; docs/performance.md, session 13's
 open item 1: the short cells' per-tile cost).
 
-    python bench/bwd_timeline.py [--d 64 128] [--s 1024 4096] [--causal 0 1]
+    python bench/bwd_timeline.py [--d 64 128] [--s 1024 4096] [--causal 0 1] [--cfg F=1 ..]
 
 Per grid cell (bf16, 16k tokens, 2048 / d heads, the shipped tile): one warm-up backward, then
 one whose CTAs stamp their phases (config.BWD_TIMELINE: the SM clock at each phase's end).
@@ -12,6 +12,10 @@ Printed per cell, the median over tiles in SM clock cycles:
     epilogue   blocks done -> dK / dV stored
     dq tail    dK / dV stored -> the dQ warp's last reduce has read sdQ (0 if it came first)
     gap        on one SM, the previous CTA's end (the later of the two) -> this CTA's start
+
+and, inside those: issue (entry -> the load warp has issued K and V; < 0: before the first
+mma thread's entry stamp), kv wait (issued -> in), wg2 lag (the second mma warpgroup's last
+block done minus the first's: what the first waits for at the epilogue's barrier)
 
 and each phase's share of the summed SM time (every CTA's start to its end, plus the gaps).
 """
@@ -25,6 +29,7 @@ from flash_cute.config import BWD_TIMELINE
 
 SLOT = {name: i for i, name in enumerate(BWD_TIMELINE)}
 PHASES = ("prologue", "blocks", "epilogue", "dq tail", "gap")
+DETAILS = ("issue", "kv wait", "wg2 lag")
 
 
 def phases(stamps):
@@ -33,12 +38,19 @@ def phases(stamps):
     rows = [[int(x) for x in r] for r in stamps]
     delta = lambda a, b: (b - a) % (1 << 32)  # noqa: E731
 
+    def signed(a, b):
+        x = delta(a, b)
+        return x if x < (1 << 31) else x - (1 << 32)
+
     def end(r):
         return r[SLOT["start"]] + max(delta(r[SLOT["start"]], r[SLOT["epilogue_done"]]),
                                       delta(r[SLOT["start"]], r[SLOT["dq_done"]]))
 
-    out = {name: [] for name in PHASES + ("per block",)}
+    out = {name: [] for name in PHASES + DETAILS + ("per block",)}
     for r in rows:
+        out["issue"].append(signed(r[SLOT["start"]], r[SLOT["kv_issued"]]))
+        out["kv wait"].append(signed(r[SLOT["kv_issued"]], r[SLOT["kv_in"]]))
+        out["wg2 lag"].append(signed(r[SLOT["blocks_done"]], r[SLOT["wg2_done"]]))
         out["prologue"].append(delta(r[SLOT["start"]], r[SLOT["kv_in"]]))
         out["blocks"].append(delta(r[SLOT["kv_in"]], r[SLOT["blocks_done"]]))
         out["per block"].append(out["blocks"][-1] / max(r[SLOT["blocks"]], 1))
@@ -64,7 +76,9 @@ def report(name, out):
     cells = [f"{p} {statistics.median(out[p]) if out[p] else 0:.0f}" for p in PHASES]
     cells.insert(2, f"per block {statistics.median(out['per block']):.0f}")
     shares = ", ".join(f"{p} {100 * total[p] / whole:.1f}%" for p in PHASES)
-    print(f"{name}: median cycles: {', '.join(cells)}\n    share of SM time: {shares}")
+    details = ", ".join(f"{p} {statistics.median(out[p]):.0f}" for p in DETAILS)
+    print(f"{name}: median cycles: {', '.join(cells)}\n    share of SM time: {shares}\n"
+          f"    inside: {details}")
 
 
 def main():
@@ -72,7 +86,11 @@ def main():
     p.add_argument("--d", type=int, nargs="+", default=[64, 128])
     p.add_argument("--s", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--causal", type=int, nargs="+", default=[0])
+    p.add_argument("--cfg", nargs="*", default=[], metavar="FIELD=INT",
+                   help="BwdSm90Config overrides on top of the shipped tile, e.g. "
+                        "stagger=0")
     a = p.parse_args()
+    extra = {k: int(v) for k, v in (x.split("=") for x in a.cfg)}
     for d in a.d:
         for s in a.s:
             for causal in a.causal:
@@ -82,7 +100,7 @@ def main():
                 out, lse = dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=bool(causal))
                 for _ in range(2):  # the second call's stamps: compiled and warm
                     backward.bwd(do, q, k, v, out, lse, softmax_scale=d ** -0.5,
-                                 causal=bool(causal), cfg_overrides={"timeline": True})
+                                 causal=bool(causal), cfg_overrides={"timeline": True, **extra})
                 torch.cuda.synchronize()
                 report(f"d={d} s={s} causal={causal}", phases(backward.last_timeline.cpu()))
 

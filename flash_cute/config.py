@@ -275,10 +275,11 @@ BWD_TILE_M80_HEAD_DIMS = (128,)
 
 
 # BwdSm90Config.timeline: the int32 slots of a tile, in order: five phase ends in the SM's
-# clock (cycles, comparable within one SM), its SM id and query blocks, and its start in
-# globaltimer ns (comparable across SMs).
+# clock (cycles, comparable within one SM), its SM id and query blocks, its start in
+# globaltimer ns (comparable across SMs), then two more clocks: the load warp's K / V issue
+# and the second mma warpgroup's last query block.
 BWD_TIMELINE = ("start", "kv_in", "blocks_done", "epilogue_done", "dq_done", "sm", "blocks",
-                "start_ns")
+                "start_ns", "kv_issued", "wg2_done")
 
 
 @dataclass(frozen=True)
@@ -367,6 +368,12 @@ class BwdSm90Config:
     # writes globaltimer stamps of its phases and its SM (BWD_TIMELINE) into the semaphore
     # buffer, which backward.bwd then sizes for it. Not with deterministic (its semaphores).
     timeline: bool = False
+    # A tile's V rides on its first dO stage's barrier instead of K's, and the loads go out
+    # K, Q, V, dO: the first S^T = K Q^T waits for K and Q only, and V lands under it
+    # (bench/bwd_timeline.py: K / V in took 1700-2700 cycles of a 1k tile's prologue, the
+    # SM's ingress shared with the first Q / dO stages). Narrow kernel, batched (varlen zeroes
+    # V's tail rows right after the K / V wait, so it keeps them together).
+    v_with_do: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -431,9 +438,12 @@ class BwdSm90Config:
         # d=128 (session 5): "alt" turns with the warpgroups staggered and LSE / D read
         # early, +2-3% at s=16k and +6% at s <= 1k over the d-split in lockstep
         # (BWD_LOCKSTEP_128; bench/exp_bwd.py lockstep stagger_lse).
+        # v_with_do: +0.3-0.8% in all 7 cells timed (d=64 / 96 / 128, 1k / 4k, session 14).
         if d == 128:
-            return BwdSm90Config(head_dim=d, dq_split="alt", stagger=True, early_lse_d=True)
-        return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d, dq_split="alt")
+            return BwdSm90Config(head_dim=d, dq_split="alt", stagger=True, early_lse_d=True,
+                                 v_with_do=True)
+        return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d, dq_split="alt",
+                             v_with_do=True)
 
     def __post_init__(self):
         if self.dq_split not in ("n", "alt", "m", "t", "talt"):
@@ -483,6 +493,8 @@ class BwdSm90Config:
                              f"persistent {self.persistent}")
         if (self.do_stages or self.dq_per_turn) and not self.wide:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
+        if self.v_with_do and self.wide:
+            raise ValueError("v_with_do: the narrow kernel (d 64/96/128) only")
         if self.timeline and (self.wide or self.persistent):
             raise ValueError("timeline: the narrow one-tile-per-CTA kernel only")
 

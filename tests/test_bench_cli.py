@@ -370,13 +370,16 @@ def test_bwd_timeline_phases():
     tl = _bench_module("bwd_timeline")
     top = 1 << 32
     rows = [dict(start=top - 100, kv_in=top - 40, blocks_done=860, epilogue_done=960,
-                 dq_done=990, sm=3, blocks=4, start_ns=1000),
+                 dq_done=990, sm=3, blocks=4, start_ns=1000, kv_issued=top - 90,
+                 wg2_done=900),
             dict(start=1040, kv_in=1100, blocks_done=2000, epilogue_done=2100, dq_done=2050,
-                 sm=3, blocks=2, start_ns=3000),
+                 sm=3, blocks=2, start_ns=3000, kv_issued=1030, wg2_done=1990),
             dict(start=5, kv_in=25, blocks_done=125, epilogue_done=135, dq_done=130, sm=7,
-                 blocks=1, start_ns=2000)]
+                 blocks=1, start_ns=2000, kv_issued=10, wg2_done=125)]
     out = tl.phases([[r[name] for name in BWD_TIMELINE] for r in rows])
     assert out["prologue"] == [60, 60, 20]
     assert out["blocks"] == [900, 900, 100] and out["per block"] == [225, 450, 100]
     assert out["epilogue"] == [100, 100, 10] and out["dq tail"] == [30, 0, 0]
     assert out["gap"] == [50]
+    assert out["issue"] == [10, -10, 5] and out["kv wait"] == [50, 70, 15]
+    assert out["wg2 lag"] == [40, -10, 0]

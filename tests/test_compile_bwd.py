@@ -657,6 +657,20 @@ def test_stagger_config():
     dataclasses.replace(cfg, **BWD_LOCKSTEP_128)  # the session-4 kernel stays reachable
 
 
+def test_v_with_do_config(tmp_path, monkeypatch):
+    """cfg.v_with_do (V on the first dO stage's barrier): shipped for the narrow kernel, refused
+    by the wide one; the varlen kernel keeps K and V together (the same cubin either way)."""
+    assert all(BwdSm90Config.for_head_dim(d).v_with_do for d in (64, 96, 128))
+    assert not any(BwdSm90Config.for_head_dim(d).v_with_do for d in (192, 256))
+    with pytest.raises(ValueError, match="v_with_do"):
+        dataclasses.replace(BwdSm90Config.for_head_dim(256), v_with_do=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    cubins = [backward.bwd_cubin(ARCH, "BFloat16", 64, False, varlen=True, v_with_do=flag)
+              for flag in (False, True)]
+    assert cubins[0] == cubins[1]
+
+
 def test_batched_tile_m128_overrides(monkeypatch):
     """The batched d=64 backward takes 128-row query tiles ("alt" dQ turns) unless the caller
     or FLASH_CUTE_BWD_CONFIG picks the tile; other head dims keep their config."""

@@ -18,18 +18,13 @@ partial (fp32) to shared memory (sdQ) and the dQ warp adds it to dQaccum with on
 reduce-add per query block (deterministic: in key-block order, behind a semaphore per query
 block).
 
-Scheduling: tiles are numbered in common/scheduler.py order (heads in L2 sections; inside a
-section key blocks ascending = longest first under causal, heads fastest). By default one CTA
-per tile, tile = blockIdx.x, so the hardware deals the longest tiles first to whichever SM is
-free (modeled in bench/sched_model.py: the (key block, head, batch) grid it replaced left a
-tail of up to 7% at s = 1-4k causal). Persistent (``cfg.persistent``): min(tiles, SMs) CTAs,
-each looping over tiles blockIdx.x, + gridDim.x, ...; every role walks the same tiles
-(``each_tile``), so the per-tile protocol below repeats, with the cross-tile points noted
-where they differ.
+Scheduling: tiles in common/scheduler.py order, one CTA per tile (tile = blockIdx.x) or
+persistent (``cfg.persistent``: every role walks the same tiles, ``each_tile``, so the
+per-tile protocol below repeats); docs/architecture.md has the details.
 
 Warp roles (3 warpgroups, 384 threads):
 
-    WG0  load   warp 0, per tile: TMA K and V; then per query block m: Q[m] + LSE_log2[m]
+    WG0  load   warp 0, per tile: TMA K (and V); then per query block m: Q[m] + LSE_log2[m]
                 into stage s of pipe_q, dO[m] + D[m] into stage s of pipe_do. setmaxnreg 24.
     WG1  mma    keys  0..63 of the block  } S^T = K Q^T, dP^T = V dO^T      (SS wgmma)
     WG2  mma    keys 64..127              } P^T, dS^T in registers (exp2 with LSE from smem)
@@ -45,7 +40,9 @@ Warp roles (3 warpgroups, 384 threads):
 Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
 empty barrier: one arrive per consumer warp, 8):
 
-    pipe_kv  load -> 8 mma warps, 1 stage, K and V together (2 * tile_n * d * 2 bytes).
+    pipe_kv  load -> 8 mma warps, 1 stage, K and V together (2 * tile_n * d * 2 bytes);
+             cfg.v_with_do (batched): K alone, V counted on the tile's first dO stage
+             (loads go out K, Q, V, dO, so the first S^T waits for K and Q only).
              One CTA per tile: acquired once, never released. Persistent: once per tile;
              the mma warps release it after the tile's last m_step, whose dQ wgmma (the last
              reader of sK; sV's last is that block's dP^T) they have waited on, so the next
@@ -61,19 +58,11 @@ empty barrier: one arrive per consumer warp, 8):
     Persistent: every PipelineState runs on across tiles (producer and consumers visit the
     same tiles and blocks in the same order), so the stages and phases just keep cycling.
 
-Named barriers (``Barrier``): DS_READY (256) makes both warpgroups' stmatrix writes of dS^T
-visible (after fence.proxy.async) before the dQ wgmma reads sdS; DQ_FULL / DQ_EMPTY
-(256 + 32) hand sdQ between the mma warpgroups and the dQ warp, one of each per query block
-(dq_tile says how the dQ warp's arrives stay matched, also across persistent tiles); TAIL
-(256, varlen) orders the zeroing of rows past a sequence before any wgmma reads them;
-KV_FREE, DKV_STAGED: cfg.tma_epilogue (below). ``cfg.stagger`` ("alt"): only the warpgroup
-with the block's dQ turn waits at DS_READY (the other arrives and runs on, a dQ GEMM ahead),
-DQ_FULL / DQ_EMPTY count that warpgroup and the dQ warp, and the three alternate with the
-block's parity (the *_ODD ids), see ``staggered_dq``. All are per query block or per tile, so
-they repeat across tiles unchanged. sdS's two buffers alternate by the CTA's running block
-count (not m_block, which may restart at the same parity in the next tile); staggered, a
-warpgroup rewrites buffer b two blocks later, after the other's dQ of b (its own, or the one
-its DS_READY wait followed).
+Named barriers (``Barrier``, per query block or per tile, so they repeat across tiles): DS_READY
+(256) publishes both warpgroups' dS^T in sdS before the dQ wgmma reads it; DQ_FULL / DQ_EMPTY
+(256 + 32) hand sdQ between the mma warpgroups and the dQ warp; TAIL (256, varlen) orders the
+zeroing of rows past a sequence; KV_FREE, DKV_STAGED: the staged epilogue. ``cfg.stagger``
+changes who waits where (``staggered_dq``); docs/architecture.md has the rules.
 
 Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
 
@@ -84,12 +73,8 @@ Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
                             else: bar arrive | [wait 0: dK]
     ... release the Q / dO stage.
 
-dP^T runs under the exp2 of P^T and dV under dS; masked blocks (causal diagonal, ragged key
-tail) wait for dP^T before masking so the mask's registers do not collide with in-flight
-accumulators (docs/performance.md v3). dq_first (the d=128 d-split kernel of sessions 3-4,
-kept for varlen GQA) runs the sdQ stores under dK; it needs one dQ chunk of <= 64 columns
-per warpgroup (wider ones serialize the wgmma, C7512). stagger (d=128, "alt"): see Named
-barriers; LSE / D are read before the waits there (cfg.early_lse_d, bwd_cols.py).
+dP^T runs under the exp2 of P^T and dV under dS; masked blocks wait for dP^T before masking
+(no mask registers over in-flight accumulators). dq_first and stagger: docs/architecture.md.
 
 Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     sK, sV   tile_n*d each          sQ, sdO   stages*tile_m*d each
@@ -121,21 +106,18 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, pdl
-from .bwd_types import (Barrier, DkvOut, KeyTile, LoadOperands, PersistentTiles,
-                        parity_barrier)
+from .bwd_dq import DqWarp
+from .bwd_types import (DQ_THREADS, DQ_TURN_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut,
+                        KeyTile, LoadOperands, PersistentTiles, parity_barrier)
 from .epilogue import store_acc_rows, store_staged
-from .pipelines import bulk_reduce_add_f32, make_tma_pipelines, tma_split
+from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
-WG_THREADS = 128
-NUM_MMA_WG = 2
 KEYS_PER_WG = 64     # one wgmma M per warpgroup
 LOAD_REGS = 24       # the load warp only issues TMA; give its registers to the mma warpgroups
 MMA_REGS = 240       # 24*128 + 240*256 <= 64K registers per SM
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 DQ_WARP = 1          # warp of WG0 that issues the dQ bulk reductions
-DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
-DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ turn + the dQ warp
 DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
 STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
 # dq_split "t" / "talt": a warp's transposed dQ^T store writes 8 d-columns x 4 query rows 2
@@ -148,7 +130,7 @@ DQT_SWIZZLE = (2, 3, 5)
 AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself (to_16bit)
 
 
-class FlashBwdSm90:
+class FlashBwdSm90(DqWarp):
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
     uniform_dq_desc = False  # see __init__
 
@@ -186,6 +168,7 @@ class FlashBwdSm90:
         # spilled 8-20 bytes with it at d=128 (a reload per query block). cfg.early_lse_d is
         # read as is (varlen: off unless asked for, backward._compile_main).
         self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
+        self.v_with_do = cfg.v_with_do and not varlen  # varlen: see BwdSm90Config.v_with_do
 
     @property
     def staged_dkv(self) -> bool:
@@ -257,7 +240,10 @@ class FlashBwdSm90:
                 cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
         q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
         self.q_stage_bytes = q_bytes + tm * 4        # Q (or dO) tile + LSE (or D) row
-        self.kv_bytes = 2 * cute.size_in_bytes(dt, sK_layout)
+        self.v_bytes = cute.size_in_bytes(dt, sV_layout)
+        # pipe_kv's transaction: K and V, or K alone (v_with_do: V counts on a dO stage).
+        self.kv_bytes = cute.size_in_bytes(dt, sK_layout) + (
+            0 if const_expr(self.v_with_do) else self.v_bytes)
 
         @cute.struct
         class SharedStorage:
@@ -405,7 +391,8 @@ class FlashBwdSm90:
                 if warp_idx == 0:
                     ops = LoadOperands(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
                                        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d)
-                    self.load(ops, pipe_kv, pipe_q, pipe_do, tiles)
+                    self.load(ops, pipe_kv, pipe_q, pipe_do, tiles,
+                              mSem if const_expr(self.cfg.timeline) else None)
                     pdl.launch_dependents(self.cfg.pdl)
                 if warp_idx == DQ_WARP:
                     pdl.wait_prior(self.cfg.pdl)  # dQaccum is zeroed by bwd_pre
@@ -473,19 +460,21 @@ class FlashBwdSm90:
         return carry
 
     @cute.jit
-    def load(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tiles):
+    def load(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tiles,
+             trace: Optional[cute.Tensor]):
         """Producer: per tile, K and V, then (Q, LSE) and (dO, D) for each query block in
-        order. The pipeline states run on across tiles."""
-        body = partial(self.load_tile, ops, pipe_kv, pipe_q, pipe_do)
+        order. The pipeline states run on across tiles. ``trace``: as mma's."""
+        body = partial(self.load_tile, ops, pipe_kv, pipe_q, pipe_do, trace)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
         self.each_tile(tiles, body, (kv, st))
 
     @cute.jit
-    def load_kv(self, ops: LoadOperands, pipe_kv, tile: KeyTile, kv):
-        """A tile's K and V load into ``kv`` (not advanced), and the (global, shared) TMA
-        partitions of its per-query-block loads: Q, LSE_log2, dO, D, indexed [None, m_block]
-        and [None, stage]."""
+    def load_kv(self, ops: LoadOperands, pipe_kv, tile: KeyTile, kv,
+                trace: Optional[cute.Tensor] = None):
+        """A tile's K and V load into ``kv`` (not advanced; cfg.v_with_do: K alone), and the
+        (global, shared) TMA partitions of its per-query-block loads: Q, LSE_log2, dO, D,
+        indexed [None, m_block] and [None, stage]; then V's."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         mQ, mK, mV, mdO, mLSE, mD = ops.mQ, ops.mK, ops.mV, ops.mdO, ops.mLSE, ops.mD
         n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
@@ -506,15 +495,18 @@ class FlashBwdSm90:
         # Persistent: waits until the mma warpgroups released the previous tile's K and V.
         pipe_kv.producer_acquire(kv)
         cute.copy(ops.tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
-        cute.copy(ops.tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        if const_expr(not self.v_with_do):
+            cute.copy(ops.tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv))
+        self.stamp(trace, cute.arch.thread_idx()[0], {"kv_issued": None})
         pdl.wait_prior(self.cfg.pdl)  # LSE_log2 and D are bwd_pre's; K and V are not
-        return (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD)
+        return (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD), (tVgV, tVsV)
 
     @cute.jit
-    def load_tile(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tile: KeyTile, states):
+    def load_tile(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do,
+                  trace: Optional[cute.Tensor], tile: KeyTile, states):
         """One tile's loads; returns the advanced (kv, q/dO) producer states."""
         kv, st = states
-        tQ, tL, tdO, tD = self.load_kv(ops, pipe_kv, tile, kv)
+        tQ, tL, tdO, tD, tV = self.load_kv(ops, pipe_kv, tile, kv, trace)
         (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
         kv.advance()
         for m_block in cutlass.range(tile.m_begin, tile.m_end, unroll=1):
@@ -522,17 +514,31 @@ class FlashBwdSm90:
             bar_q = pipe_q.producer_get_barrier(st)
             cute.copy(ops.tma_q, tQgQ[None, m_block], tQsQ[None, st.index], tma_bar_ptr=bar_q)
             cute.copy(ops.tma_lse, tLgL[None, m_block], tLsL[None, st.index], tma_bar_ptr=bar_q)
-            self.load_do(ops.tma_do, ops.tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st, m_block)
+            v = None
+            if const_expr(self.v_with_do):
+                v = (ops.tma_v, tV, m_block == tile.m_begin)
+            self.load_do(ops.tma_do, ops.tma_d, tdOgdO, tdOsdO, tDgD, tDsD, pipe_do, st, m_block,
+                         v)
             st.advance()
         return kv, st
 
     @cute.jit
     def load_do(self, tma_do: cute.CopyAtom, tma_d: cute.CopyAtom, tdOgdO: cute.Tensor,
                 tdOsdO: cute.Tensor, tDgD: cute.Tensor, tDsD: cute.Tensor, pipe_do, st_do,
-                m_block: Int32):
-        """dO[m] + D[m] into the dO stage of ``st_do`` (not advanced)."""
+                m_block: Int32, v=None):
+        """dO[m] + D[m] into the dO stage of ``st_do`` (not advanced). ``v`` (cfg.v_with_do):
+        (TMA atom, (global, shared) V, whether this is the tile's first block); the first
+        block's stage also counts and brings V (pipe_kv's acquire freed sV)."""
         pipe_do.producer_acquire(st_do)
         bar_do = pipe_do.producer_get_barrier(st_do)
+        if const_expr(v is not None):
+            tma_v, (tVgV, tVsV), first = v
+            if first:
+                # More bytes on a stage whose producer arrive is in: its phase cannot complete
+                # before this V load lands too.
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_expect_tx(bar_do, self.v_bytes)
+                cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=bar_do)
         cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, st_do.index], tma_bar_ptr=bar_do)
         cute.copy(tma_d, tDgD[None, m_block], tDsD[None, st_do.index], tma_bar_ptr=bar_do)
 
@@ -666,6 +672,7 @@ class FlashBwdSm90:
                              q_tail, q_tail_rows)
         self.stamp(trace, tidx, {"blocks_done": None, "sm": cute.arch.smid,
                                  "blocks": lambda: m_end - m_begin})
+        self.stamp(trace, tidx - WG_THREADS, {"wg2_done": None})
         if const_expr(self.persistent and not self.staged_dkv):
             # The last reads of sK / sV (the dQ wgmma) were waited on in the last m_step: the
             # load warp may bring the next tile's K and V in under this epilogue.
@@ -918,86 +925,6 @@ class FlashBwdSm90:
     def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
         """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""
         return (rK, rdS) if const_expr(self.cfg.dq_transposed) else (rdS, rK)
-
-    @cute.jit
-    def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
-                  tiles):
-        """dQ warp: per tile and query block, add the sdQ tile into the block's dQaccum rows
-        with a TMA bulk reduction; sdQ is handed back once the reduction has read it."""
-        lane = cute.arch.lane_idx()
-        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
-        if lane == 0:  # sdQ read: the CTA may exit (its adds land before the grid completes)
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        self.stamp(mSem, lane, {"dq_done": None})
-
-    @cute.jit
-    def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
-                tile: KeyTile, carry):
-        """The sdQ hand-off, per query block: DQ_EMPTY (dQ warp arrives, mma warpgroups wait)
-        then DQ_FULL (mma warpgroups arrive, dQ warp waits), one of each per block. One CTA
-        per tile: the first arrive precedes the loop and the last block's is skipped, so no
-        arrive is left without its wait. Persistent: the arrive opens every block, so the
-        counts match per block whatever the tiles' block counts (even 0), and each arrive
-        still follows the previous reduction's read of sdQ (this tile's or the previous
-        one's).
-
-        Deterministic: the key blocks adding into query block m are 0 .. N(m)-1 (causal drops a
-        suffix, never a prefix), so key block n waits until m's semaphore reads n, adds, waits
-        for its adds to land, then increments it. It cannot deadlock: one CTA per tile, lower
-        key blocks launch first (they are blockIdx.x); persistent, key blocks 0 .. n-1 of the
-        (head, batch) are lower tiles than n (each_tile), and scheduler.py's induction
-        applies. Varlen: rows and semaphores of the padded layout (one per padded query
-        tile)."""
-        tm = self.tile_m
-        n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
-        m_begin, m_end = tile.m_begin, tile.m_end
-        # A tile is tm padded rows; the last row's padding may lie past the allocation.
-        tile_bytes = (tm * self.cfg.dq_row - self.cfg.dq_row_pad) * 4
-        # cfg.stagger: one warpgroup per block (the one with the dQ turn), ids by parity.
-        threads = DQ_TURN_THREADS if const_expr(self.cfg.stagger) else DQ_THREADS
-        bar = self.hand_off_barrier
-        if const_expr(not self.persistent):
-            if m_begin < m_end:
-                cute.arch.barrier_arrive(
-                    barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_begin),
-                    number_of_threads=threads)
-        for m_block in cutlass.range(m_begin, m_end, unroll=1):
-            if const_expr(self.persistent):
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY),
-                                         number_of_threads=DQ_THREADS)
-            cute.arch.barrier(barrier_id=bar(Barrier.DQ_FULL, Barrier.DQ_FULL_ODD, m_block),
-                              number_of_threads=threads)
-            if lane == 0:
-                gdQ = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, self.d),
-                                      (m_block, 0))
-                if const_expr(self.varlen):
-                    sem = mSem.iterator + cute.crd2idx((seq.offset_q_pad // tm + m_block, head),
-                                                       mSem.layout)
-                else:
-                    sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
-                if const_expr(self.deterministic):
-                    while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
-                        pass
-                    cute.arch.fence_proxy("async.global")  # acquire before the async adds
-                bulk_reduce_add_f32(gdQ.iterator, sdQ.iterator, tile_bytes)
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.deterministic):
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds have landed
-                    cute.arch.fence_proxy("async.global")
-                    cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
-            if const_expr(not self.persistent):
-                if m_block + 1 < m_end:  # no arrive without a matching wait after the last
-                    cute.arch.barrier_arrive(
-                        barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_block + 1),
-                        number_of_threads=threads)
-        return carry
-
-    def hand_off_barrier(self, even: Barrier, odd: Barrier, m_block: Int32):
-        """The dQ hand-off barrier of query block ``m_block`` (cfg.stagger: by parity)."""
-        return parity_barrier(even, odd, m_block) if self.cfg.stagger else int(even)
 
     @cute.jit
     def epilogue(self, mma_dkv: cute.TiledMma, tdKrdK: cute.Tensor, tdVrdV: cute.Tensor,

@@ -1,6 +1,6 @@
-"""Shared pieces of the SM90 backward kernels (bwd.py, bwd_wide.py): the named barriers and
-the small bundles passed between their roles (a work tile, the load warp's operands, where
-dK / dV go)."""
+"""Shared pieces of the SM90 backward kernels (bwd.py, bwd_wide.py, bwd_dq.py): the thread
+counts, the named barriers and the small bundles passed between their roles (a work tile, the
+load warp's operands, where dK / dV go)."""
 import enum
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -9,6 +9,11 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from ..common.seqlen import SeqlenInfo
+
+WG_THREADS = 128
+NUM_MMA_WG = 2
+DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
+DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ turn + the dQ warp
 
 
 class Barrier(enum.IntEnum):

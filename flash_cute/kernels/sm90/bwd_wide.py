@@ -139,6 +139,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
             raise ValueError(f"do_stages {cfg.do_stages} must not exceed stages {cfg.stages}")
         self.deterministic = deterministic
         self.persistent = False
+        self.v_with_do = False  # BwdSm90Config.v_with_do: narrow only (K and V together here)
         self.varlen = varlen
         self.dtype = dtype
         self.dkv_dtype = dtype if dkv_dtype is None else dkv_dtype
@@ -400,11 +401,12 @@ class FlashBwdWideSm90(FlashBwdSm90):
         return carry
 
     @cute.jit
-    def load(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tiles):
+    def load(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tiles, trace=None):
         """bwd.py's producer; with cfg.do_stages the dO ring has its own state, and the dO
-        acquire of block m+1 waits for block m's early release (after its dV)."""
+        acquire of block m+1 waits for block m's early release (after its dV). ``trace``: None
+        (no timeline in the wide kernel)."""
         if const_expr(not self.cfg.do_stages):
-            FlashBwdSm90.load(self, ops, pipe_kv, pipe_q, pipe_do, tiles)
+            FlashBwdSm90.load(self, ops, pipe_kv, pipe_q, pipe_do, tiles, trace)
         else:
             tile = tiles  # one tile per CTA (no persistent wide kernel)
             kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -412,7 +414,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
                                                 self.cfg.stages)
             st_do = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.cfg.do_stages)
-            tQ, tL, tdO, tD = self.load_kv(ops, pipe_kv, tile, kv)
+            tQ, tL, tdO, tD, _ = self.load_kv(ops, pipe_kv, tile, kv)
             (tQgQ, tQsQ), (tLgL, tLsL), (tdOgdO, tdOsdO), (tDgD, tDsD) = tQ, tL, tdO, tD
             # Acquire in the order the stages free up: Q(m+1) waits for the end of block
             # m+1-stages, dO(m+1) for the dV of block m+1-do_stages, which comes first when
