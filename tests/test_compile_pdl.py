@@ -58,10 +58,12 @@ def test_main_pdl(d, causal, gqa, deterministic, varlen, persistent, tmp_path, m
     assert ptx.count(WAIT) == 2 + (varlen and not persistent), ptx.count(WAIT)
     assert ptx.count(TRIGGER) == 1
     # The load warp's wait (the first): after the K and V loads (the TMA boxes on the pipe_kv
-    # barrier), before the first Q + LSE_log2 stage (another barrier).
+    # barrier; K alone where V rides on the first dO stage, cfg.v_with_do, batched narrow),
+    # before the first Q + LSE_log2 stage (another barrier).
     before = TMA_BARRIER.findall(ptx[:ptx.index(WAIT)])
     after = TMA_BARRIER.findall(ptx[ptx.index(WAIT):])
-    assert len(before) >= 2 and len(set(before)) == 1, before
+    k_alone = BwdSm90Config.for_head_dim(d).v_with_do and not varlen
+    assert len(before) >= (1 if k_alone else 2) and len(set(before)) == 1, before
     assert after and after[0] != before[0], (before, after[:1])
     check_ptxas(ptx, tmp_path)
 
