@@ -374,6 +374,12 @@ class BwdSm90Config:
     # SM's ingress shared with the first Q / dO stages). Narrow kernel, batched (varlen zeroes
     # V's tail rows right after the K / V wait, so it keeps them together).
     v_with_do: bool = False
+    # The CTA's tile coordinates (the scheduler's integer divisions) computed before the
+    # shared-memory barriers' init and its CTA-wide sync instead of after it, and no
+    # `head // (h // hk)` in the kernel without GQA: the load warp's entry -> first TMA issue
+    # took ~750 cycles of a 1k tile's prologue (bench/bwd_timeline.py, session 14). Opt-in
+    # until timed (bench/exp_bwd.py "lean_prologue").
+    lean_prologue: bool = False
 
     @property
     def dq_row(self) -> int:

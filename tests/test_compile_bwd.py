@@ -671,6 +671,27 @@ def test_v_with_do_config(tmp_path, monkeypatch):
     assert cubins[0] == cubins[1]
 
 
+# lean_prologue: d=64 (128-row tile), d=128 GQA causal, d=128 varlen, d=64 persistent, d=256.
+LEAN_CASES = [(64, False, False, {}), (128, True, True, {}), (128, False, False, {"varlen": True}),
+              (64, False, False, {"persistent": True}), (256, False, False, {})]
+
+
+@pytest.mark.parametrize("d,causal,gqa,kw", LEAN_CASES, ids=lambda v: str(v))
+def test_lean_prologue_compiles(d, causal, gqa, kw, tmp_path, monkeypatch):
+    """cfg.lean_prologue (opt-in, not yet timed): the tile's coordinates ahead of the barrier
+    init; without GQA no head division, so fewer MUFU.RCP (the integer divisions' reciprocal)
+    than the default; spill-free, wgmma not serialized."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    lean, default = [sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, gqa, **kw,
+                                                     lean_prologue=flag), tmp_path)
+                     for flag in (True, False)]
+    check_main_sass(lean)
+    assert lean["HGMMA"] == default["HGMMA"]
+    rcp = lean.get("MUFU.RCP", 0), default.get("MUFU.RCP", 0)
+    assert rcp[0] < rcp[1] if not gqa else rcp[0] == rcp[1], rcp
+
+
 def test_batched_tile_m128_overrides(monkeypatch):
     """The batched d=64 backward takes 128-row query tiles ("alt" dQ turns) unless the caller
     or FLASH_CUTE_BWD_CONFIG picks the tile; other head dims keep their config."""

@@ -169,6 +169,8 @@ class FlashBwdSm90(DqWarp):
         # read as is (varlen: off unless asked for, backward._compile_main).
         self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
         self.v_with_do = cfg.v_with_do and not varlen  # varlen: see BwdSm90Config.v_with_do
+        # GQA's dK / dV are the fp32 per-query-head buffers bwd_post sums (backward.py).
+        self.gqa = self.dkv_dtype != self.dtype
 
     @property
     def staged_dkv(self) -> bool:
@@ -349,6 +351,9 @@ class FlashBwdSm90(DqWarp):
                 if const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
 
+        if const_expr(self.cfg.lean_prologue):  # the divisions ahead of the barrier init
+            tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                                        section, tail_section)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
         # K/V, once the stores have read them.
@@ -370,19 +375,9 @@ class FlashBwdSm90(DqWarp):
             cute.make_composed_layout(cute.make_swizzle(*DQT_SWIZZLE), 0, sdQ_layout)
             if const_expr(self.cfg.dq_swizzle) else sdQ_layout)
 
-        tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
-                          mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
-        coords, count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, section, tail_section)
-        if const_expr(self.persistent):
-            # Every role walks the same tiles (each_tile) and skips the same empty ones.
-            tiles = PersistentTiles(tile_at, coords, count)
-            run = True
-        else:
-            # One tile per CTA, numbered like the persistent walk (L2 sections, longest
-            # first); one past the varlen tiles leaves before any pipeline wait or named
-            # barrier, uniformly over the CTA (the barriers above were only initialised).
-            tiles = tile_at(*coords(cute.arch.block_idx()[0]))
-            run = tiles.has_keys
+        if const_expr(not self.cfg.lean_prologue):
+            tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                                        section, tail_section)
         if run:
             self.stamp(mSem, cute.arch.thread_idx()[0] - WG_THREADS,  # the first mma thread
                        {"start": None, "start_ns": cute.arch.globaltimer_lo})
@@ -404,6 +399,21 @@ class FlashBwdSm90(DqWarp):
                          dk_scale, tiles, mSem if const_expr(self.cfg.timeline) else None)
         else:
             pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
+
+    def cta_tiles(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, section,
+                  tail_section):
+        """(this CTA's tiles, whether it runs): its one KeyTile, or the persistent walk."""
+        tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
+                          mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
+        coords, count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, section, tail_section)
+        if const_expr(self.persistent):
+            # Every role walks the same tiles (each_tile) and skips the same empty ones.
+            return PersistentTiles(tile_at, coords, count), True
+        # One tile per CTA, numbered like the persistent walk (L2 sections, longest first);
+        # one past the varlen tiles leaves before any pipeline wait or named barrier,
+        # uniformly over the CTA (the barriers were only initialised).
+        tile = tile_at(*coords(cute.arch.block_idx()[0]))
+        return tile, tile.has_keys
 
     def tile_order(self, mQ, mK, mCuSeqlensK, mSeqUsedK, section, tail_section):
         """(tile number -> (n_block, head, batch), tile count; varlen: a bound). Key blocks
@@ -478,7 +488,9 @@ class FlashBwdSm90(DqWarp):
         tm, tn, d = self.tile_m, self.tile_n, self.d
         mQ, mK, mV, mdO, mLSE, mD = ops.mQ, ops.mK, ops.mV, ops.mdO, ops.mLSE, ops.mD
         n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        head_kv = head
+        if const_expr(self.gqa or not self.cfg.lean_prologue):
+            head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seq.q_rows(mQ, head, batch), (tm, d), (None, 0))
         gdO = cute.local_tile(seq.q_rows(mdO, head, batch), (tm, d), (None, 0))
         gK = cute.local_tile(seq.k_rows(mK, head_kv, batch), (tn, d), (n_block, 0))
