@@ -39,6 +39,7 @@ before the barrier init's sync, no KV-head division without GQA.
 dV in sK / sV and stores them by TMA (docs/bwd_vs_fa4.md P3; +2% geomean, on by default since
 session 4, so "tma_epi" = "default" and "reg_epi" is the register epilogue before it);
 "tma_epi_persistent" with the persistent kernel (K / V released after the TMA stores' reads;
+"reg_epi_persistent": before the register epilogue, so the next K / V load overlaps it);
 FLASH_CUTE_BWD_NUM_SMS=5 puts many tiles on each CTA of the checks, and of the timings too).
 Their varlen path (16-byte row stores instead of TMA) is checked as well: VARLEN_CHECKED.
 
@@ -96,6 +97,9 @@ VARIANTS = {
     "tma_epi": {"tma_epilogue": True},
     "reg_epi": {"tma_epilogue": False},
     "tma_epi_persistent": {"tma_epilogue": True, "persistent": True, "stagger": False},
+    # The register epilogue lets the persistent kernel release K / V before it (not after the
+    # TMA stores' read), so the next tile's K / V load runs under this tile's epilogue.
+    "reg_epi_persistent": {"tma_epilogue": False, "persistent": True, "stagger": False},
     # BwdSm90Config.stagger (session 5): "alt" dQ turns, the other warpgroup runs on.
     "stagger": {"dq_split": "alt", "dq_first": False, "stagger": True},
     "stagger_lse": {"dq_split": "alt", "dq_first": False, "stagger": True, "early_lse_d": True},
