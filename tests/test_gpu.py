@@ -395,6 +395,40 @@ def test_grads_deterministic(d, causal, hk):
     check_grads_close(runs[0], [ref[i] for i in range(3)], [low[i] for i in range(3)])
 
 
+@pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
+@pytest.mark.parametrize("spec", ["lean_prologue=1", "v_with_do=0"])
+@pytest.mark.parametrize("d,causal,hk,varlen", [(64, False, 4, False), (128, True, 2, False),
+                                                (128, False, 4, False), (96, False, 1, True),
+                                                (128, True, 4, True), (256, True, 2, False)])
+def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
+    """Backward configs that move loads or index math and no arithmetic (BwdSm90Config
+    .lean_prologue; v_with_do off, the order before session 14): deterministic gradients
+    bitwise equal to the shipped config's, batched (d=128 non-causal: the 80-row "talt"
+    tile) and varlen."""
+    sq = backward.BWD_TALT_MIN_SEQLEN_Q + 52 if (d, causal) == (128, False) else 700
+    lens = [sq, 0, 1, 333, 65]
+    if varlen:
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens, lens[::-1], 4, hk, d, seed=d)
+    else:
+        q, k, v = qkv_inputs(2, sq, sq + 200, 4, hk, d, seed=d + hk)
+    dout = rand(*q.shape, seed=8)
+
+    def grads():
+        if varlen:
+            return varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, causal=causal,
+                                deterministic=True)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        _poison_allocator()
+        out = flash_attn_func(*leaves, causal=causal, deterministic=True)
+        return torch.autograd.grad(out, leaves, dout)
+
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    shipped = grads()
+    monkeypatch.setenv(backward.CONFIG_ENV, spec)
+    for name, a, b in zip(("dq", "dk", "dv"), shipped, grads()):
+        assert torch.equal(a, b), f"{spec}: {name} differs from the shipped config's"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_l2_section_size_changes_order_not_results(causal, monkeypatch):
     """The L2 sections (config.l2_sections: heads per section and the tail section, runtime
