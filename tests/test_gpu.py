@@ -377,7 +377,7 @@ def test_grads_talt_long(hk, causal, monkeypatch):
 
 
 @pytest.mark.parametrize("d,causal,hk", [(128, False, 4), (128, True, 2), (64, True, 4),
-                                          (96, False, 1), (192, False, 4), (256, True, 2)])
+                                         (96, False, 1), (192, False, 4), (256, True, 2)])
 def test_grads_deterministic(d, causal, hk):
     """deterministic=True: bit-identical gradients over 3 runs, and still right."""
     q, k, v = qkv_inputs(2, 1100, 1300, 4, hk, d, seed=d + hk)
@@ -887,7 +887,7 @@ def test_varlen_grads_match_batched_per_sequence(d, causal, monkeypatch):
 
 @pytest.mark.skipif(_ON_CPU, reason="the stand-in is deterministic anyway")
 @pytest.mark.parametrize("d,causal,hk", [(128, False, 4), (128, True, 2), (64, True, 1),
-                                          (256, True, 2)])
+                                         (256, True, 2)])
 def test_varlen_grads_deterministic(d, causal, hk):
     """deterministic=True: bit-identical varlen gradients over 3 runs (semaphores per padded
     query tile), and still right."""

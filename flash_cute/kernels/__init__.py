@@ -1,1 +1,2 @@
-"""CuTe DSL kernels. ``common`` is shared by every architecture; ``sm90`` holds the Hopper kernels."""
+"""CuTe DSL kernels. ``common`` is shared by every architecture; ``sm90`` holds the Hopper
+kernels."""

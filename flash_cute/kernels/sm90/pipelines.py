@@ -17,8 +17,8 @@ def make_tma_pipelines(specs, num_consumer_warps: int):
     producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
     pipes = [pipeline.PipelineTmaAsync.create(
         barrier_storage=mbar.data_ptr(), num_stages=stages, producer_group=producer,
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, *(warps or
-                                                                       [num_consumer_warps])),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                 *(warps or [num_consumer_warps])),
         tx_count=tx_bytes, defer_sync=True)
         for mbar, stages, tx_bytes, *warps in specs]
     cute.arch.mbarrier_init_fence()
