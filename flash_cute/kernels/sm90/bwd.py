@@ -169,8 +169,11 @@ class FlashBwdSm90(DqWarp):
         # read as is (varlen: off unless asked for, backward._compile_main).
         self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
         self.v_with_do = cfg.v_with_do and not varlen  # varlen: see BwdSm90Config.v_with_do
-        # GQA's dK / dV are the fp32 per-query-head buffers bwd_post sums (backward.py).
-        self.gqa = self.dkv_dtype != self.dtype
+
+    @property
+    def gqa(self) -> bool:
+        """h != hk: dK / dV are then the fp32 per-query-head buffers bwd_post sums."""
+        return self.dkv_dtype != self.dtype
 
     @property
     def staged_dkv(self) -> bool:

@@ -143,7 +143,6 @@ class FlashBwdWideSm90(FlashBwdSm90):
         self.varlen = varlen
         self.dtype = dtype
         self.dkv_dtype = dtype if dkv_dtype is None else dkv_dtype
-        self.gqa = self.dkv_dtype != self.dtype  # as FlashBwdSm90's
         self.cfg = cfg
         self.causal = causal
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
