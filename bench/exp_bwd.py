@@ -33,8 +33,9 @@ programmatic dependents of the kernel before them (their prologues overlap its t
 wait before reading its outputs); "pdl_deterministic" / "pdl_persistent" check it on those
 paths (timed at short sequences, --short: no gain, off).
 "v_with_do" (BwdSm90Config.v_with_do): V on the first dO stage's barrier, loads in the order K,
-Q, V, dO (session 14). "lean_prologue" (BwdSm90Config.lean_prologue): the tile's coordinates
-before the barrier init's sync, no KV-head division without GQA.
+Q, V, dO (session 14). "fat_prologue" turns off BwdSm90Config.lean_prologue (shipped in
+session 16: the tile's coordinates before the barrier init's sync, no KV-head division
+without GQA).
 "tma_epi" (BwdSm90Config.tma_epilogue, every head dim) stages dK /
 dV in sK / sV and stores them by TMA (docs/bwd_vs_fa4.md P3; +2% geomean, on by default since
 session 4, so "tma_epi" = "default" and "reg_epi" is the register epilogue before it);
@@ -93,7 +94,7 @@ VARIANTS = {
     "pdl_persistent": {"pdl": True, "persistent": True, "stagger": False},
     "v_with_do": {"v_with_do": True},  # K, Q, V, dO: the first S^T waits for K and Q only
     "kv_together": {"v_with_do": False},  # the order before session 14: K, V, Q, dO
-    "lean_prologue": {"lean_prologue": True},  # tile coordinates before the barrier init
+    "fat_prologue": {"lean_prologue": False},  # tile coordinates after the barrier init
     "tma_epi": {"tma_epilogue": True},
     "reg_epi": {"tma_epilogue": False},
     "tma_epi_persistent": {"tma_epilogue": True, "persistent": True, "stagger": False},

@@ -92,6 +92,10 @@ VARIANTS = {
                                    "early_rescale": True},
     "early_packed": lambda d, causal, s: {**VARIANTS["persistent_ship"](d, causal, s),
                                           "early_rescale": True, "packed_p_cvt": True},
+    # Session 16: the shipped walk with a warpgroup past seqlen_q computing its rows anyway
+    # (cfg.skip_empty_wg off; on, it only waits on and releases the stages).
+    "no_skip": lambda d, causal, s: {**VARIANTS["persistent_ship"](d, causal, s),
+                                     "skip_empty_wg": False},
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),
@@ -108,6 +112,10 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     # ... and the cells where own_o's hand-off (named barrier vs mbarrier) was compared.
     "wide": [(256, 1024, False), (256, 4096, False), (256, 16384, False), (256, 1024, True),
              (256, 4096, True), (256, 16384, True), (192, 4096, False), (192, 4096, True)],
+    # d=64's 192-row tile leaves the last tile of a 1k / 4k / 16k sequence 1/3 full; d=128's
+    # 128-row tile divides them (the control).
+    "ragged": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (64, 4096, True),
+               (64, 16384, True), (128, 1024, False)],
     "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),
                (128, 16384, False), (128, 1024, True), (96, 1024, True)],
 }

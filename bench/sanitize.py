@@ -88,11 +88,17 @@ CASES = {
     # dynamic walks, 5 CTAs, forward only.
     "fwd_early": lambda: (check(256, False, 900, 700, persistent="ctas=5", backward=False),
                           check(192, True, 900, 900, persistent="dyn:ctas=5", backward=False)),
+    # cfg.skip_empty_wg: tiles whose last warpgroups hold no rows (d=64 1000 = 5 x 192 + 40,
+    # the narrow causal 900 = 7 x 128 + 4, d=128 300 = 2 x 128 + 44, a 37-token sequence).
+    "fwd_idle_wg": lambda: (check(64, False, 1000, 1000, persistent="ctas=5", backward=False),
+                            check(64, True, 900, 900, persistent="dyn:ctas=5", backward=False),
+                            check(128, False, 300, 300, backward=False),
+                            check_varlen(64, False)),
     "varlen128c": lambda: check_varlen(128, True),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
-           "persistent64c_dyn", "fwd_early", "varlen128c")
+           "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "varlen128c")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:

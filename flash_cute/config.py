@@ -46,6 +46,11 @@ class FwdSm90Config:
     # the multiply (d/2 per row pair and thread: 128 FMULs at d=256) ran with no GEMM of this
     # warpgroup queued. FA3 / FA4 do so for d > 128.
     early_rescale: bool = False
+    # A consumer warpgroup whose 64 query rows all lie past seqlen_q (the tile's ragged end)
+    # computes nothing: it only waits on and releases each Q/K/V stage and joins the named
+    # barriers, so the warpgroups that do have rows get the tensor cores alone. d=64's 192-row
+    # tile leaves 2 of 3 warpgroups idle in every sixth tile at s=1k (1024 = 5 x 192 + 64).
+    skip_empty_wg: bool = True
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg != 2:
@@ -377,9 +382,10 @@ class BwdSm90Config:
     # The CTA's tile coordinates (the scheduler's integer divisions) computed before the
     # shared-memory barriers' init and its CTA-wide sync instead of after it, and no
     # `head // (h // hk)` in the kernel without GQA: the load warp's entry -> first TMA issue
-    # took ~750 cycles of a 1k tile's prologue (bench/bwd_timeline.py, session 14). Opt-in
-    # until timed (bench/exp_bwd.py "lean_prologue").
-    lean_prologue: bool = False
+    # took ~750 cycles of a 1k tile's prologue (bench/bwd_timeline.py, session 14). On since
+    # session 16: +0.2..+1.2% in 4 of 5 cells, none lost; entry -> first TMA issue 747 -> 492
+    # cycles at d=64 1k (bench/exp_bwd.py "fat_prologue" is the order before).
+    lean_prologue: bool = True
 
     @property
     def dq_row(self) -> int:

@@ -678,17 +678,18 @@ LEAN_CASES = [(64, False, False, {}), (128, True, True, {}), (128, False, False,
 
 @pytest.mark.parametrize("d,causal,gqa,kw", LEAN_CASES, ids=lambda v: str(v))
 def test_lean_prologue_compiles(d, causal, gqa, kw, tmp_path, monkeypatch):
-    """cfg.lean_prologue (opt-in, not yet timed): the tile's coordinates ahead of the barrier
-    init; without GQA no head division, so fewer MUFU.RCP (the integer divisions' reciprocal)
-    than the default; spill-free, wgmma not serialized."""
+    """cfg.lean_prologue (on by default since session 16) against the order before: the
+    tile's coordinates ahead of the barrier init; without GQA no head division, so fewer
+    MUFU.RCP (the integer divisions' reciprocal) than before; spill-free, wgmma not
+    serialized."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    lean, default = [sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, gqa, **kw,
-                                                     lean_prologue=flag), tmp_path)
-                     for flag in (True, False)]
+    lean, fat = [sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, gqa, **kw,
+                                                 lean_prologue=flag), tmp_path)
+                 for flag in (True, False)]
     check_main_sass(lean)
-    assert lean["HGMMA"] == default["HGMMA"]
-    rcp = lean.get("MUFU.RCP", 0), default.get("MUFU.RCP", 0)
+    assert lean["HGMMA"] == fat["HGMMA"]
+    rcp = lean.get("MUFU.RCP", 0), fat.get("MUFU.RCP", 0)
     assert rcp[0] < rcp[1] if not gqa else rcp[0] == rcp[1], rcp
 
 

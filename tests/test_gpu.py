@@ -318,6 +318,42 @@ def test_forward_own_o_matches_aliased_o(d, causal, monkeypatch):
         assert torch.equal(own[0], aliased[0]) and torch.equal(own[1], aliased[1]), mode
 
 
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in has no warpgroups")
+@pytest.mark.parametrize("d,causal,sq", [(64, False, 1000), (64, True, 900), (128, False, 300),
+                                         (256, True, 140)])
+def test_forward_skip_empty_wg_is_bitwise(d, causal, sq, monkeypatch):
+    """FwdSm90Config.skip_empty_wg: a warpgroup whose rows all lie past seqlen_q (d=64: 1000 =
+    5 x 192 + 40; the narrow causal tile 900 = 7 x 128 + 4; 300 = 2 x 128 + 44; 140 = 128 +
+    12) computes nothing, and the others' arithmetic is unchanged: O and LSE bitwise equal
+    to the kernel that computes every row, one tile per CTA and over both persistent walks,
+    and varlen (sequences of 37, 1 and 0 tokens)."""
+    q, k, v = qkv_inputs(2, sq, sq + 37, 4, 2, d, seed=29)
+    lens = [37, 0, 1, sq, 65]
+    vq, vk, vv, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens, lens[::-1], 4, 2, d, seed=31)
+    modes = ("0", "ctas=5", "dyn:ctas=5")
+
+    def outputs():
+        got = []
+        for mode in modes:
+            monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
+            _poison_allocator(256 << 20)
+            got.append(dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal))
+        monkeypatch.delenv(dispatch.PERSISTENT_FWD_ENV)
+        _poison_allocator(256 << 20)
+        got.append(flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, max_q, max_k, causal=causal,
+                                          return_attn_probs=True)[:2])
+        return got
+
+    skipping = outputs()
+    run_and_check(q, k, v, causal=causal)  # the shipped kernel against the oracle too
+    every_row = config.fwd_overrides
+    monkeypatch.setattr(dispatch, "fwd_overrides",
+                        lambda *a, **kw: {**every_row(*a, **kw), "skip_empty_wg": False})
+    monkeypatch.setattr(dispatch, "_cache", {})  # the key does not name the flag
+    for mode, a, b in zip(modes + ("varlen",), skipping, outputs()):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), mode
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------------------------
@@ -396,15 +432,15 @@ def test_grads_deterministic(d, causal, hk):
 
 
 @pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
-@pytest.mark.parametrize("spec", ["lean_prologue=1", "v_with_do=0"])
+@pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0"])
 @pytest.mark.parametrize("d,causal,hk,varlen", [(64, False, 4, False), (128, True, 2, False),
                                                 (128, False, 4, False), (96, False, 1, True),
                                                 (128, True, 4, True), (256, True, 2, False)])
 def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
     """Backward configs that move loads or index math and no arithmetic (BwdSm90Config
-    .lean_prologue; v_with_do off, the order before session 14): deterministic gradients
-    bitwise equal to the shipped config's, batched (d=128 non-causal: the 80-row "talt"
-    tile) and varlen."""
+    .lean_prologue off, the order before session 16; v_with_do off, before session 14):
+    deterministic gradients bitwise equal to the shipped config's, batched (d=128
+    non-causal: the 80-row "talt" tile) and varlen."""
     sq = backward.BWD_TALT_MIN_SEQLEN_Q + 52 if (d, causal) == (128, False) else 700
     lens = [sq, 0, 1, 333, 65]
     if varlen:

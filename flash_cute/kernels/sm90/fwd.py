@@ -117,6 +117,7 @@ from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
 WG_THREADS = 128
+WG_ROWS = 64         # query rows per consumer warpgroup (the wgmma's M)
 # setmaxnreg split (load warpgroup, each consumer warpgroup) by consumer count: the load warp
 # only issues TMA, so its registers go to the consumers; 128*load + 128*n*consumer <= 64K.
 # The totals stay within 168 * 384 (the registers each of 384 threads launches with): a
@@ -428,9 +429,34 @@ class FlashFwdSm90:
                 seq: SeqlenInfo, q, kv):
         """Consumer warpgroups: the attention main loop, then the epilogue. q, kv: the states
         of the tile's first Q and K/V stages; returns those of the next tile."""
-        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
+        tOrO = cute.make_rmem_tensor(mma_pv.get_slice(wg * WG_THREADS).partition_shape_C(
+            (self.tile_m, self.d)), Float32)
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_as_mn(tOrO), mode=[0]))
+        has_rows = True  # cfg.skip_empty_wg: a warpgroup past seqlen_q only keeps its place
+        if const_expr(self.cfg.skip_empty_wg):
+            has_rows = m_block * self.tile_m + wg * WG_ROWS < seq.seqlen_q
+        if has_rows:
+            kv = self.mainloop(mma_qk, mma_pv, tOrO, softmax, sQ, sK, sV, pipe_q, pipe_k,
+                               pipe_v, m_block, n_max, seq, wg, tidx, q, kv)
+        else:
+            kv = self.pass_blocks(sV, pipe_q, pipe_k, pipe_v, n_max, seq, wg, tidx, q, kv)
+
+        self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, tma_o, tidx, m_block, head, batch,
+                      seq, pipe_q, q)
+        q.advance()
+        kv.advance()
+        return q, kv
+
+    @cute.jit
+    def mainloop(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tOrO: cute.Tensor,
+                 softmax: OnlineSoftmax, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                 pipe_q, pipe_k, pipe_v, m_block: Int32, n_max: Int32, seq: SeqlenInfo,
+                 wg: Int32, tidx: Int32, q, kv):
+        """A warpgroup's key blocks, last first, into O (unnormalized) and the softmax's row
+        statistics. Returns the state of the tile's last K/V stage."""
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         wg_mma_qk = mma_qk.get_slice(wg * WG_THREADS)
         wg_mma_pv = mma_pv.get_slice(wg * WG_THREADS)
         tSrQ = mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
@@ -438,12 +464,10 @@ class FlashFwdSm90:
         tOrV = mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_mn(sV)))
         tSrS = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
                                      Float32)
-        tOrO = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.d)), Float32)
         tOrP = mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
         tScS = mma_qk.get_slice(tidx).partition_C(cS)
         t0ScS = mma_qk.get_slice(0).partition_C(cS)
-        softmax = OnlineSoftmax(scale_log2, cute.size(acc_as_mn(tSrS), mode=[0]))
         mask = lambda n_block: apply_mask(  # noqa: E731
             tSrS, tScS, t0ScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
             self.causal)
@@ -485,12 +509,34 @@ class FlashFwdSm90:
         pipe_v.consumer_wait(kv)
         gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv.index], zero_init=False, wait_group=0)
         pipe_v.consumer_release(kv)
+        return kv
 
-        self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, tma_o, tidx, m_block, head, batch,
-                      seq, pipe_q, q)
-        q.advance()
-        kv.advance()
-        return q, kv
+    @cute.jit
+    def pass_blocks(self, sV: cute.Tensor, pipe_q, pipe_k, pipe_v, n_max: Int32,
+                    seq: SeqlenInfo, wg: Int32, tidx: Int32, q, kv):
+        """cfg.skip_empty_wg: the mainloop of a warpgroup whose rows all lie past seqlen_q.
+        Each stage is waited on before it is released (an early arrive would count towards
+        the previous round's phase and free a stage still being read); it takes its ping-pong
+        turns and does its share of the varlen V-tail zeroing. Its epilogue then stores
+        nothing: O's rows past seqlen_q are clipped, their LSE predicated off."""
+        if const_expr(self.cfg.own_o):  # every consumer warp releases Q
+            pipe_q.consumer_wait(q)
+            pipe_q.consumer_release(q)
+        pipe_k.consumer_wait(kv)
+        pipe_k.consumer_release(kv)
+        if const_expr(self.varlen):
+            self.zero_v_tail(sV, pipe_v, kv, n_max, seq.seqlen_k, tidx)
+        for i in cutlass.range(n_max - 1, unroll=1):
+            pipe_v.consumer_wait(kv)
+            pipe_v.consumer_release(kv)
+            kv.advance()
+            pipe_k.consumer_wait(kv)
+            self.wait_turn(wg)
+            self.pass_turn(wg)
+            pipe_k.consumer_release(kv)
+        pipe_v.consumer_wait(kv)
+        pipe_v.consumer_release(kv)
+        return kv
 
     @cute.jit
     def mma_block(self, n_block: Int32, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ, tSrK, tOrV,
