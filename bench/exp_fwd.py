@@ -116,6 +116,9 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     # 128-row tile divides them (the control).
     "ragged": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (64, 4096, True),
                (64, 16384, True), (128, 1024, False)],
+    # ... and cells where no warpgroup is ever idle (the flag's code cost alone).
+    "control": [(128, 1024, True), (128, 4096, False), (128, 16384, False), (96, 1024, False),
+                (256, 1024, False), (256, 4096, True)],
     "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),
                (128, 16384, False), (128, 1024, True), (96, 1024, True)],
 }
