@@ -50,7 +50,11 @@ class FwdSm90Config:
     # computes nothing: it only waits on and releases each Q/K/V stage and joins the named
     # barriers, so the warpgroups that do have rows get the tensor cores alone. d=64's 192-row
     # tile leaves 2 of 3 warpgroups idle in every sixth tile at s=1k (1024 = 5 x 192 + 64).
-    skip_empty_wg: bool = True
+    # H200, session 16 (bench/exp_fwd.py --shapes ragged control --variants persistent_ship
+    # no_skip, two runs): d=64 +9% s=1k, +3% 4k / 16k, causal +3..+11%; on with two
+    # warpgroups, where the grid's lengths leave none idle, its branch cost 1-3.5% (d=96 /
+    # 128), so it ships for the three-warpgroup tile only.
+    skip_empty_wg: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg != 2:
@@ -73,7 +77,8 @@ class FwdSm90Config:
         # larger d forces a narrower key block.
         tile_n = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}[d]
         if d == 64:
-            return FwdSm90Config(head_dim=d, tile_n=tile_n, num_consumer_wg=3, packed_p_cvt=True)
+            return FwdSm90Config(head_dim=d, tile_n=tile_n, num_consumer_wg=3, packed_p_cvt=True,
+                                 skip_empty_wg=True)
         return FwdSm90Config(head_dim=d, tile_n=tile_n)
 
 
@@ -132,7 +137,7 @@ def persistent_fwd_overrides(d: int, causal: bool, dynamic: bool = False):
 # (192 x 128): a 128-row causal tile crosses fewer diagonal key blocks, so less of its work is
 # masked. H200, session 8 (bench/exp_fwd.py --d 64 --shapes long short, persistent_ship vs
 # p2wg): s=1k causal +8%; s=16k causal -14%, s=4k non-causal -16% (three hide more latency).
-NARROW_FWD = {"num_consumer_wg": 2}
+NARROW_FWD = {"num_consumer_wg": 2, "skip_empty_wg": False}  # skip: three warpgroups only
 NARROW_FWD_MAX_SEQLEN_Q = 1024  # the longest length measured to gain; 2k-4k unmeasured
 
 

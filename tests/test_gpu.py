@@ -322,11 +322,12 @@ def test_forward_own_o_matches_aliased_o(d, causal, monkeypatch):
 @pytest.mark.parametrize("d,causal,sq", [(64, False, 1000), (64, True, 900), (128, False, 300),
                                          (256, True, 140)])
 def test_forward_skip_empty_wg_is_bitwise(d, causal, sq, monkeypatch):
-    """FwdSm90Config.skip_empty_wg: a warpgroup whose rows all lie past seqlen_q (d=64: 1000 =
-    5 x 192 + 40; the narrow causal tile 900 = 7 x 128 + 4; 300 = 2 x 128 + 44; 140 = 128 +
-    12) computes nothing, and the others' arithmetic is unchanged: O and LSE bitwise equal
-    to the kernel that computes every row, one tile per CTA and over both persistent walks,
-    and varlen (sequences of 37, 1 and 0 tokens)."""
+    """FwdSm90Config.skip_empty_wg (shipped at d=64, forced on here elsewhere): a warpgroup
+    whose rows all lie past seqlen_q (d=64: 1000 = 5 x 192 + 40; the narrow causal tile 900
+    = 7 x 128 + 4; 300 = 2 x 128 + 44; 140 = 128 + 12) computes nothing, and the others'
+    arithmetic is unchanged: O and LSE bitwise equal to the kernel that computes every row,
+    one tile per CTA and over both persistent walks, and varlen (sequences of 37, 1 and 0
+    tokens)."""
     q, k, v = qkv_inputs(2, sq, sq + 37, 4, 2, d, seed=29)
     lens = [37, 0, 1, sq, 65]
     vq, vk, vv, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens, lens[::-1], 4, 2, d, seed=31)
@@ -344,12 +345,17 @@ def test_forward_skip_empty_wg_is_bitwise(d, causal, sq, monkeypatch):
                                           return_attn_probs=True)[:2])
         return got
 
+    shipped = config.fwd_overrides
+
+    def with_skip(flag):
+        monkeypatch.setattr(dispatch, "fwd_overrides",
+                            lambda *a, **kw: {**shipped(*a, **kw), "skip_empty_wg": flag})
+        monkeypatch.setattr(dispatch, "_cache", {})  # the key does not name the flag
+
+    with_skip(True)
     skipping = outputs()
-    run_and_check(q, k, v, causal=causal)  # the shipped kernel against the oracle too
-    every_row = config.fwd_overrides
-    monkeypatch.setattr(dispatch, "fwd_overrides",
-                        lambda *a, **kw: {**every_row(*a, **kw), "skip_empty_wg": False})
-    monkeypatch.setattr(dispatch, "_cache", {})  # the key does not name the flag
+    run_and_check(q, k, v, causal=causal)  # against the oracle too
+    with_skip(False)
     for mode, a, b in zip(modes + ("varlen",), skipping, outputs()):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), mode
 
