@@ -430,6 +430,10 @@ class FlashFwdSm90:
         """Consumer warpgroups: the attention main loop, then the epilogue. q, kv: the states
         of the tile's first Q and K/V stages; returns those of the next tile."""
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
+        if const_expr(self.varlen and self.cfg.skip_empty_wg and self.cfg.persistent):
+            # Read afresh per tile: with the skip's branch the hoisted index stayed live across
+            # the varlen walk and spilled (d=64 causal: 2 words), as in the epilogue.
+            tidx = opaque_thread_idx() - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         tOrO = cute.make_rmem_tensor(mma_pv.get_slice(wg * WG_THREADS).partition_shape_C(
             (self.tile_m, self.d)), Float32)
