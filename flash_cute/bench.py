@@ -12,7 +12,8 @@ package itself never depends on them.
 Grid (FA3 paper): total tokens fixed (batch = total_tokens // seqlen), hidden 2048
 (nheads = 2048 // d). FLOPs: forward 4*b*s^2*h*d, halved when causal; backward 2.5x forward.
 Timing: CUDA events around each call, median of ``--reps`` calls after ``--warmup`` calls (the
-first warm-up call also pays any JIT compile). Backward is timed as
+first warm-up call also pays any JIT compile), and at least ``--warmup-ms`` of back-to-back
+calls: a cell that follows seconds of compiling starts on an idle GPU. Backward is timed as
 ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` so nothing accumulates.
 
 Robustness: every (shape, impl, direction) cell catches its own exception and shows the class
@@ -170,6 +171,7 @@ class Timing:
     warmup: int = 5
     reps: int = 20
     cell_seconds: float = 0.0  # 0: no cap
+    warmup_ms: float = 0.0     # more warm-up calls, until about this much work has run
 
 
 def time_ms(fn: Callable[[], object], timing: Timing, cuda: bool = True) -> tuple[float, int]:
@@ -188,6 +190,8 @@ def time_ms(fn: Callable[[], object], timing: Timing, cuda: bool = True) -> tupl
     sync()
     estimate = time.perf_counter() - t
     warmup, reps = max(0, timing.warmup - 2), timing.reps
+    if timing.warmup_ms > 0:
+        warmup = max(warmup, math.ceil(timing.warmup_ms / 1e3 / max(estimate, 1e-6)) - 2)
     if timing.cell_seconds > 0:
         calls = int(timing.cell_seconds / max(estimate, 1e-6))
         reps = max(3, min(reps, calls))
@@ -622,7 +626,8 @@ def _bench_shape_in_child(shape: Shape, args) -> list[dict]:
                "--d", str(shape.d), "--seqlen", str(shape.seqlen),
                "--causal", str(int(shape.causal)), "--total-tokens", str(args.total_tokens),
                "--dir", *args.dir, "--impl", *args.impl, "--reps", str(args.reps),
-               "--warmup", str(args.warmup), "--cell-seconds", str(args.cell_seconds),
+               "--warmup", str(args.warmup), "--warmup-ms", str(args.warmup_ms),
+               "--cell-seconds", str(args.cell_seconds),
                "--out", out, "--plot", "", "--no-progress",
                "--quiet", "--device", args.device]
         try:
@@ -653,7 +658,7 @@ def run_grid(args, emit=print) -> dict:
         emit("bench: no CUDA device; nothing to measure")
         return payload
     t0, runners, lost = time.time(), {}, None
-    timing = Timing(args.warmup, args.reps, args.cell_seconds)
+    timing = Timing(args.warmup, args.reps, args.cell_seconds, args.warmup_ms)
     bar = progress_bar(len(shapes), args.progress)
     if not args.quiet:
         bar.write(table_header(args.impl))
@@ -709,6 +714,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", nargs="+", choices=IMPLS, help="default: all")
     p.add_argument("--reps", type=int, help="timed calls per cell (median; default 20)")
     p.add_argument("--warmup", type=int, help="untimed calls first (default 5)")
+    # Session 16: cells timed right after a compile read up to 2x low (fwd d=128 causal 1k 243
+    # then 487 TFLOP/s in a re-run) with 3 warm-up calls, about 1 ms of work.
+    p.add_argument("--warmup-ms", type=float, default=200.0,
+                   help="warm-up calls until about this many ms of work have run (default 200)")
     p.add_argument("--cell-seconds", type=float, default=15.0,
                    help="cap on one cell's timing loop: fewer reps (>= 3) for slow cells; "
                         "0 = no cap (default 15)")

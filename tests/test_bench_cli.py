@@ -220,6 +220,23 @@ def test_timing_counts_and_cell_cap():
     assert ms >= 20
 
 
+def test_timing_warms_up_by_time():
+    """warmup_ms adds warm-up calls by the second call's duration (here ~10 ms each: 100 ms
+    is about 10 calls in all), within the cell's cap."""
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.01)
+
+    bench.time_ms(slow, bench.Timing(warmup=3, reps=4, warmup_ms=100), cuda=False)
+    assert 4 + 6 <= len(calls) <= 4 + 11, len(calls)
+    calls.clear()
+    bench.time_ms(slow, bench.Timing(warmup=3, reps=4, warmup_ms=100, cell_seconds=0.06),
+                  cuda=False)
+    assert len(calls) <= 2 + 1 + 4, len(calls)  # the cap (~5 calls of 10 ms) wins
+
+
 def test_failed_import_is_remembered(monkeypatch):
     calls = []
 
