@@ -83,6 +83,9 @@ Per key block (intra-warpgroup overlap): issue S_next = Q K_next^T, then O += P_
 for S_next; mask and softmax it while P V runs; rescale O (``cfg.early_rescale``, d=256 and
 causal d=192: in the next block, under S_next, just before its P V). Masks only on the first
 block visited (ragged key tail, causal) and on blocks crossing the causal diagonal.
+A warpgroup whose 64 rows all lie past seqlen_q (``cfg.skip_empty_wg``, the three-warpgroup
+d=64 tile) only waits on and releases each stage (pass_blocks) and then runs the epilogue,
+whose stores skip its rows.
 
 Shared memory (2-byte elements): sQ tile_m*d, sK and sV kv_stages*tile_n*d each; sO aliases
 sQ (each warpgroup overwrites only its own, already consumed, Q rows), or with own_o takes
