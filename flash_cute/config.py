@@ -389,7 +389,9 @@ class BwdSm90Config:
     # `head // (h // hk)` in the kernel without GQA: the load warp's entry -> first TMA issue
     # took ~750 cycles of a 1k tile's prologue (bench/bwd_timeline.py, session 14). On since
     # session 16: +0.2..+1.2% in 4 of 5 cells, none lost; entry -> first TMA issue 747 -> 492
-    # cycles at d=64 1k (bench/exp_bwd.py "fat_prologue" is the order before).
+    # cycles at d=64 1k (bench/exp_bwd.py "fat_prologue" is the order before). Without GQA
+    # only (FlashBwdSm90.lean_prologue): with it the early coordinates spilled 2 words in the
+    # talt deterministic kernel, and the head division stays anyway.
     lean_prologue: bool = True
 
     @property

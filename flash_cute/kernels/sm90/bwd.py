@@ -176,6 +176,12 @@ class FlashBwdSm90(DqWarp):
         return self.dkv_dtype != self.dtype
 
     @property
+    def lean_prologue(self) -> bool:
+        """cfg.lean_prologue without GQA, where it was timed: with GQA the head division stays,
+        and the early tile coordinates spilled 2 words in the talt deterministic kernel."""
+        return self.cfg.lean_prologue and not self.gqa
+
+    @property
     def staged_dkv(self) -> bool:
         """cfg.tma_epilogue where dK / dV have the input dtype: GQA's fp32 per-query-head
         outputs (twice sK / sV's bytes) keep the register stores."""
@@ -354,7 +360,7 @@ class FlashBwdSm90(DqWarp):
                 if const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
 
-        if const_expr(self.cfg.lean_prologue):  # the divisions ahead of the barrier init
+        if const_expr(self.lean_prologue):  # the divisions ahead of the barrier init
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                         section, tail_section)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -378,7 +384,7 @@ class FlashBwdSm90(DqWarp):
             cute.make_composed_layout(cute.make_swizzle(*DQT_SWIZZLE), 0, sdQ_layout)
             if const_expr(self.cfg.dq_swizzle) else sdQ_layout)
 
-        if const_expr(not self.cfg.lean_prologue):
+        if const_expr(not self.lean_prologue):
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                         section, tail_section)
         if run:
@@ -492,7 +498,7 @@ class FlashBwdSm90(DqWarp):
         mQ, mK, mV, mdO, mLSE, mD = ops.mQ, ops.mK, ops.mV, ops.mdO, ops.mLSE, ops.mD
         n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq
         head_kv = head
-        if const_expr(self.gqa or not self.cfg.lean_prologue):
+        if const_expr(not self.lean_prologue):
             head_kv = head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(seq.q_rows(mQ, head, batch), (tm, d), (None, 0))
         gdO = cute.local_tile(seq.q_rows(mdO, head, batch), (tm, d), (None, 0))
