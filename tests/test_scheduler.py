@@ -114,7 +114,7 @@ def test_narrow_forward_choice():
     assert not narrow_fwd(128, True, 512)
     assert (fwd_tile_m(64, True), fwd_tile_m(64, False), fwd_tile_m(128, False)) == (128, 192, 128)
     assert fwd_overrides(64, True, persistent=True, dynamic=True, narrow=True) == {
-        "persistent": True, "dynamic": True, "num_consumer_wg": 2}
+        "persistent": True, "dynamic": True, "num_consumer_wg": 2, "skip_empty_wg": False}
     assert fwd_overrides(64, True) == {}
 
 
@@ -131,7 +131,7 @@ def test_own_o_forward_choice():
     assert fwd_overrides(128, False, persistent=False, own_o=True) == {}
     assert fwd_overrides(64, True, persistent=True, dynamic=True, narrow=True, own_o=True) == {
         "persistent": True, "dynamic": True, "own_o": True, "tile_n": 128,
-        "num_consumer_wg": 2}
+        "num_consumer_wg": 2, "skip_empty_wg": False}
 
 
 def test_l2_section_sizes():
