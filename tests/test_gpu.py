@@ -322,7 +322,7 @@ def test_forward_own_o_matches_aliased_o(d, causal, monkeypatch):
 @pytest.mark.parametrize("d,causal,sq", [(64, False, 1000), (64, True, 900), (128, False, 300),
                                          (256, True, 140)])
 def test_forward_skip_empty_wg_is_bitwise(d, causal, sq, monkeypatch):
-    """FwdSm90Config.skip_empty_wg (shipped at d=64, forced on here elsewhere): a warpgroup
+    """FwdSm90Config.skip_empty_wg (shipped at d=64; forced on and off here): a warpgroup
     whose rows all lie past seqlen_q (d=64: 1000 = 5 x 192 + 40; the narrow causal tile 900
     = 7 x 128 + 4; 300 = 2 x 128 + 44; 140 = 128 + 12) computes nothing, and the others'
     arithmetic is unchanged: O and LSE bitwise equal to the kernel that computes every row,
