@@ -95,6 +95,9 @@ VARIANTS = {
     "v_with_do": {"v_with_do": True},  # K, Q, V, dO: the first S^T waits for K and Q only
     "kv_together": {"v_with_do": False},  # the order before session 14: K, V, Q, dO
     "fat_prologue": {"lean_prologue": False},  # tile coordinates after the barrier init
+    # tile_m 80 / 128: dV / dK read views of the 16-bit copies, dS^T unpacks P^T per word
+    "p16_view": {"p16_view": True},
+    "ds16": {"p16_view": True, "ds16": True},  # dS^T by packed 16-bit multiplies
     "tma_epi": {"tma_epilogue": True},
     "reg_epi": {"tma_epilogue": False},
     "tma_epi_persistent": {"tma_epilogue": True, "persistent": True, "stagger": False},

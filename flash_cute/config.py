@@ -393,6 +393,12 @@ class BwdSm90Config:
     # only (FlashBwdSm90.lean_prologue): with it the early coordinates spilled 2 words in the
     # talt deterministic kernel, and the head division stays anyway.
     lean_prologue: bool = True
+    # The dV and dK wgmmas read P^T / dS^T from views of their 16-bit accumulator-layout
+    # copies instead of register-to-register copies of them.
+    p16_view: bool = False
+    # With p16_view: dS^T = P^T o (dP^T - D) as packed 16-bit products (experiment; one
+    # rounding more: dP^T - D to 16 bits before the multiply).
+    ds16: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -465,6 +471,8 @@ class BwdSm90Config:
                              v_with_do=True)
 
     def __post_init__(self):
+        if self.ds16 and not self.p16_view:
+            raise ValueError("ds16 reads P^T's packed copy: set p16_view=True too")
         if self.dq_split not in ("n", "alt", "m", "t", "talt"):
             raise ValueError(f"dq_split must be 'n', 'alt', 'm', 't' or 'talt', got "
                              f"{self.dq_split!r}")

@@ -783,3 +783,31 @@ def test_bwd_timeline_compiles(d, causal, tmp_path, monkeypatch):
     for kw in ({"deterministic": True}, {"varlen": True}):
         with pytest.raises(NotImplementedError, match="timeline"):
             backward.bwd_cubin(ARCH, "BFloat16", d, causal, **kw, **ov)
+
+
+# p16_view (tile_m 128 / 80: P^T's 16-bit copy shared with the dV operand, unpacked per word
+# for dS^T): the shipped tiles, both dtypes, GQA, deterministic, persistent.
+P16_CASES = [("BFloat16", 64, False, False, False, backward.BATCHED_TILE_M128),
+             ("Float16", 64, True, False, False, backward.BATCHED_TILE_M128),
+             ("BFloat16", 64, True, True, True, backward.BATCHED_TILE_M128),
+             ("BFloat16", 64, False, False, False, {**backward.BATCHED_TILE_M128,
+                                                    "persistent": True}),
+             ("BFloat16", 128, False, False, False, backward.BATCHED_TALT),
+             ("Float16", 128, False, True, True, backward.BATCHED_TALT),
+             ("BFloat16", 128, True, False, False, backward.BATCHED_TALT)]
+
+
+@pytest.mark.parametrize("dtype,d,causal,gqa,det,ov", P16_CASES, ids=lambda v: str(v))
+def test_p16_view_compiles(dtype, d, causal, gqa, det, ov, tmp_path, monkeypatch):
+    """cfg.p16_view against the register copies: spill-free, the same HGMMA count; bf16
+    with fewer instructions (the high halves of P^T were extracted into registers of their
+    own), fp16 not more (its conversions were one per element already)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    view, copy = [sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, causal, gqa, det, **ov,
+                                                  p16_view=flag), tmp_path)
+                  for flag in (True, False)]
+    check_main_sass(view)
+    assert view["HGMMA"] == copy["HGMMA"]
+    fewer = sum(view.values()) - sum(copy.values())
+    assert fewer < 0 if dtype == "BFloat16" else fewer <= 0, fewer

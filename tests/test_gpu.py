@@ -438,13 +438,14 @@ def test_grads_deterministic(d, causal, hk):
 
 
 @pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
-@pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0"])
+@pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0", "p16_view=1"])
 @pytest.mark.parametrize("d,causal,hk,varlen", [(64, False, 4, False), (128, True, 2, False),
                                                 (128, False, 4, False), (96, False, 1, True),
                                                 (128, True, 4, True), (256, True, 2, False)])
 def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
     """Backward configs that move loads or index math and no arithmetic (BwdSm90Config
-    .lean_prologue off, the order before session 16; v_with_do off, before session 14):
+    .lean_prologue off, the order before session 16; v_with_do off, before session 14;
+    p16_view on, the same products from registers read differently):
     deterministic gradients bitwise equal to the shipped config's, batched (d=128
     non-causal: the 80-row "talt" tile) and varlen."""
     sq = backward.BWD_TALT_MIN_SEQLEN_Q + 52 if (d, causal) == (128, False) else 700

@@ -111,6 +111,31 @@ def cvt_pair(lo: Float32, hi: Float32, to_dtype, *, loc=None, ip=None) -> Int32:
         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def unpack_half(word: Int32, hi: bool, from_dtype, *, loc=None, ip=None) -> Float32:
+    """One 16-bit half of a packed register as fp32: bf16 by one shift or mask (its bits are
+    fp32's high half), fp16 by one conversion. Reading 16-bit elements of a packed fragment
+    one by one instead makes ptxas extract each high half into a register of its own first."""
+    if from_dtype is cutlass.BFloat16:
+        asm = "and.b32 $0, $1, 0xffff0000;" if hi else "shl.b32 $0, $1, 16;"
+    else:
+        asm = ("{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $1; cvt.f32.f16 $0, %s; }"
+               % ("hi" if hi else "lo"))
+    return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value(loc=loc, ip=ip)], asm,
+                                   "=f,r", has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def mul_pair(a: Int32, b: Int32, dtype, *, loc=None, ip=None) -> Int32:
+    """Two packed 16-bit products in one instruction (HMUL2), rounded to nearest."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"mul.rn.{kind} $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 @cute.jit
 def store_packed(dst: cute.Tensor, src: cute.Tensor):
     """dst (16-bit, compact) = src (fp32, same shape), two values per packed conversion.

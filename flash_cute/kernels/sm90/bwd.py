@@ -586,6 +586,7 @@ class FlashBwdSm90(DqWarp):
         tdPrdP = cute.make_rmem_tensor(wg_sdp.partition_shape_C((tn, tm)), Float32)
         tdVrP = mma_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         tdKrdS = mma_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        rP = None  # P^T's 16-bit copy in the accumulator layout (ds_from_p16)
         tdVrdV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, d)), Float32)
         tdKrdK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, d)), Float32)
 
@@ -641,6 +642,13 @@ class FlashBwdSm90(DqWarp):
         if const_expr(self.remat_tid):  # m_step slices and partitions per query block
             thr_store_dS, tdSsdS = cute.make_tiled_copy_C(store_atom, mma_sdp), sdS
         rdS = cute.make_rmem_tensor_like(tdPrdP, self.dtype)
+        if const_expr(self.cfg.p16_view):
+            # The dV / dK A operands are views of the 16-bit accumulator-layout copies (the
+            # same register order), so no register-to-register copy between them.
+            if const_expr(self.ds_from_p16):
+                rP = cute.make_rmem_tensor_like(tSrS, self.dtype)
+                tdVrP = acc_as_operand_a(rP)
+            tdKrdS = acc_as_operand_a(rdS)
 
         # Coordinates of this thread's and thread 0's S^T elements (mask, LSE/D columns).
         cS = cute.make_identity_tensor((tn, tm))
@@ -648,7 +656,8 @@ class FlashBwdSm90(DqWarp):
         t0ScS = mma_sdp.get_slice(0).partition_C(cS)
 
         frags = (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO,
-                 tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS)
+                 tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS,
+                 rP)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg,
                        trace)
@@ -807,7 +816,7 @@ class FlashBwdSm90(DqWarp):
                seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
         """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring)."""
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
-         tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS) = frags
+         tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS, rP) = frags
         s = st.index
         if const_expr(self.remat_tid):  # this thread's S^T coordinates (mask, LSE/D columns)
             tScS = mma_sdp.get_slice(opaque_thread_idx() - WG_THREADS).partition_C(
@@ -824,9 +833,12 @@ class FlashBwdSm90(DqWarp):
             self.to_16bit(tdVrP, acc_as_operand_a(tSrS))
         else:
             # P^T to 16 bits in the accumulator layout: fp32 S^T dies here, dS^T reads this.
-            rP = cute.make_rmem_tensor_like(tSrS, self.dtype)
-            self.to_16bit(rP, tSrS)
-            tdVrP.store(acc_as_operand_a(rP).load())
+            if const_expr(rP is None):
+                rP = cute.make_rmem_tensor_like(tSrS, self.dtype)
+                self.to_16bit(rP, tSrS)
+                tdVrP.store(acc_as_operand_a(rP).load())
+            else:  # tdVrP is a view of rP
+                self.to_16bit(rP, tSrS)
             s_mn = acc_as_mn(rP)
         dsum = None
         if const_expr(self.cfg.early_lse_d):  # D's LDS latency under the dV issue and wait
@@ -834,9 +846,16 @@ class FlashBwdSm90(DqWarp):
         gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
 
-        self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s, dsum)
-        self.to_16bit(rdS, tdPrdP)
-        tdKrdS.store(acc_as_operand_a(rdS).load())
+        if const_expr(self.ds_from_p16 and self.cfg.ds16):
+            bwd_cols.ds16_from_dp(rdS, tdPrdP, rP, tScS, t0ScS, sD, s, dsum)
+        elif const_expr(self.ds_from_p16 and self.cfg.p16_view):
+            bwd_cols.ds_from_dp_packed(tdPrdP, rP, tScS, t0ScS, sD, s, dsum)
+            self.to_16bit(rdS, tdPrdP)
+        else:
+            self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s, dsum)
+            self.to_16bit(rdS, tdPrdP)
+        if const_expr(not self.cfg.p16_view):
+            tdKrdS.store(acc_as_operand_a(rdS).load())
 
         # dS^T rows -> sdS buffer step % 2, then both warpgroups meet (the dQ wgmma reads all of
         # sdS); the buffer was last read by step-2's dQ, waited on before step-1's barrier.

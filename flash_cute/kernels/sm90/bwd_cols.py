@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..common.layout import acc_as_mn
+from ..common.layout import acc_as_mn, cvt_pair, mul_pair, unpack_half
 
 
 @cute.jit
@@ -62,3 +62,42 @@ def ds_from_dp(tdPrdP: cute.Tensor, p_mn: cute.Tensor, tScS: cute.Tensor, t0ScS:
         dsum_c = col_value(sD, s, dsum, tScS, t0ScS, c)
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
             dp_mn[r, c] = p_mn[r, c].to(Float32) * (dp_mn[r, c] - dsum_c)
+
+
+@cute.jit
+def ds_from_dp_packed(tdPrdP: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor,
+                      t0ScS: cute.Tensor, sD: cute.Tensor, s: Int32,
+                      dsum: Optional[cute.Tensor] = None):
+    """ds_from_dp with P^T as rP, its compact 16-bit copy in the accumulator layout: each
+    element unpacked from its register word (unpack_half), one instruction per element."""
+    dp_mn = acc_as_mn(tdPrdP)
+    p_mn_layout = acc_as_mn(rP).layout
+    words = cute.recast_tensor(rP, Int32)
+    for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
+        dsum_c = col_value(sD, s, dsum, tScS, t0ScS, c)
+        for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
+            i = cute.crd2idx((r, c), p_mn_layout)
+            p = unpack_half(words[i // 2], i % 2 == 1, rP.element_type)
+            dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c)
+
+
+@cute.jit
+def ds16_from_dp(rdS: cute.Tensor, tdPrdP: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor,
+                 t0ScS: cute.Tensor, sD: cute.Tensor, s: Int32,
+                 dsum: Optional[cute.Tensor] = None):
+    """dS^T in 16 bits straight from the packed P^T: per register word, (dP^T - D) for its two
+    elements in fp32, packed, times P^T's word in one packed multiply (rdS, tdPrdP and rP are
+    compact with one layout, so word w holds the same two elements in each). One rounding
+    more than ds_from_dp's (dP^T - D to 16 bits), about 3 instructions fewer per pair."""
+    mn = acc_as_mn(tdPrdP).layout
+    col = [0] * cute.size(tdPrdP)
+    for c in cutlass.range_constexpr(cute.size(mn, mode=[1])):
+        for r in cutlass.range_constexpr(cute.size(mn, mode=[0])):
+            col[cute.crd2idx((r, c), mn)] = c
+    p_words = cute.recast_tensor(rP, Int32)
+    ds_words = cute.recast_tensor(rdS, Int32)
+    dp = cute.make_tensor(tdPrdP.iterator, cute.make_layout(cute.size(tdPrdP)))
+    for w in cutlass.range_constexpr(cute.size(ds_words)):
+        lo = dp[2 * w] - col_value(sD, s, dsum, tScS, t0ScS, col[2 * w])
+        hi = dp[2 * w + 1] - col_value(sD, s, dsum, tScS, t0ScS, col[2 * w + 1])
+        ds_words[w] = mul_pair(p_words[w], cvt_pair(lo, hi, rP.element_type), rP.element_type)
