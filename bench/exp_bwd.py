@@ -96,7 +96,9 @@ VARIANTS = {
     "kv_together": {"v_with_do": False},  # the order before session 14: K, V, Q, dO
     "fat_prologue": {"lean_prologue": False},  # tile coordinates after the barrier init
     # tile_m 80 / 128: dV / dK read views of the 16-bit copies, dS^T unpacks P^T per word
+    # (shipped in session 17; "p16_copy" is the register copies before it)
     "p16_view": {"p16_view": True},
+    "p16_copy": {"p16_view": False},
     "ds16": {"p16_view": True, "ds16": True},  # dS^T by packed 16-bit multiplies
     "tma_epi": {"tma_epilogue": True},
     "reg_epi": {"tma_epilogue": False},

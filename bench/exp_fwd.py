@@ -96,6 +96,10 @@ VARIANTS = {
     # (cfg.skip_empty_wg off; on, it only waits on and releases the stages).
     "no_skip": lambda d, causal, s: {**VARIANTS["persistent_ship"](d, causal, s),
                                      "skip_empty_wg": False},
+    # Session 17: the three d=64 warpgroups issue their GEMMs in a ring of turns (FA4's
+    # scheduler barriers at 3 warpgroups), under the shipped walk.
+    "ring": lambda d, causal, s: ({**VARIANTS["persistent_ship"](d, causal, s),
+                                   "pingpong": True} if d == 64 else None),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),

@@ -57,8 +57,8 @@ class FwdSm90Config:
     skip_empty_wg: bool = False
 
     def __post_init__(self):
-        if self.pingpong and self.num_consumer_wg != 2:
-            raise ValueError("pingpong needs exactly 2 consumer warpgroups")
+        if self.pingpong and self.num_consumer_wg not in (2, 3):
+            raise ValueError("pingpong needs 2 or 3 consumer warpgroups")
         if self.dynamic and not self.persistent:
             raise ValueError("dynamic is a persistent tile order: set persistent=True too")
         if self.own_o and not self.persistent:
@@ -393,11 +393,18 @@ class BwdSm90Config:
     # only (FlashBwdSm90.lean_prologue): with it the early coordinates spilled 2 words in the
     # talt deterministic kernel, and the head division stays anyway.
     lean_prologue: bool = True
-    # The dV and dK wgmmas read P^T / dS^T from views of their 16-bit accumulator-layout
-    # copies instead of register-to-register copies of them.
-    p16_view: bool = False
-    # With p16_view: dS^T = P^T o (dP^T - D) as packed 16-bit products (experiment; one
-    # rounding more: dP^T - D to 16 bits before the multiply).
+    # tile_m 80 / 128 (dS^T from the 16-bit P^T): the dV / dK wgmmas read views of the 16-bit
+    # accumulator-layout copies, and dS^T unpacks each P^T word with one shift or mask per
+    # element (kernels/sm90/bwd_cols.py) instead of reading 16-bit elements, for which ptxas
+    # first moved every high half into a register of its own: the d=64 loop 771 -> 708
+    # instructions per thread and block, d=128 "talt" 646 -> 606, the same arithmetic
+    # (bitwise-equal gradients); tile_m 64 cubins byte-identical. H200, session 17 (bench/
+    # exp_bwd.py default p16_view, two runs): d=64 nc 1k +0.7%, 4k +1.0%, 16k +3.6% / +1.2%,
+    # d=128 nc 2k..16k +0.4..+0.7%, 1k -6% then 0%; causal cells within 0.3%.
+    p16_view: bool = True
+    # With p16_view: dS^T = P^T o (dP^T - D) as packed 16-bit products (opt-in, not shipped:
+    # one rounding more, dP^T - D to 16 bits before the multiply, for +0.2..+1.5% over
+    # p16_view in 9 cells; the gradient tests pass with it).
     ds16: bool = False
 
     @property

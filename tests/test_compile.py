@@ -49,7 +49,12 @@ EXPERIMENTS = ([("BFloat16", 64, True, fwd_overrides(64, True, p, dyn, narrow=Tr
                + [("BFloat16", d, c, {**persistent_fwd_overrides(d, c, dynamic=c),
                                       "pingpong": True, "packed_p_cvt": True,
                                       "early_rescale": False})
-                  for d in (128, 256) for c in (False, True)])
+                  for d in (128, 256) for c in (False, True)]
+               # Session 17: the three d=64 warpgroups in a ring of turns, over the shipped
+               # walks (own_o and not; dynamic when causal).
+               + [("BFloat16", 64, c, {**fwd_overrides(64, c, True, c, own_o=o),
+                                       "pingpong": True})
+                  for c in (False, True) for o in (False, True)])
 
 
 @functools.lru_cache(maxsize=None)

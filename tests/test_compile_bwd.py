@@ -811,3 +811,17 @@ def test_p16_view_compiles(dtype, d, causal, gqa, det, ov, tmp_path, monkeypatch
     assert view["HGMMA"] == copy["HGMMA"]
     fewer = sum(view.values()) - sum(copy.values())
     assert fewer < 0 if dtype == "BFloat16" else fewer <= 0, fewer
+
+
+@pytest.mark.parametrize("d,ov", [(64, backward.BATCHED_TILE_M128), (128, backward.BATCHED_TALT)],
+                         ids=["d64", "d128_talt"])
+def test_ds16_compiles(d, ov, tmp_path, monkeypatch):
+    """cfg.ds16 (opt-in: dS^T by packed 16-bit multiplies): spill-free, HMUL2 in place of the
+    fp32 multiplies, fewer instructions than the shipped p16_view."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    ds16, shipped = [sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, False, **ov, ds16=flag),
+                                  tmp_path) for flag in (True, False)]
+    check_main_sass(ds16)
+    assert ds16.get("HMUL2", 0) > 0 and ds16.get("FMUL", 0) < shipped.get("FMUL", 0)
+    assert sum(ds16.values()) < sum(shipped.values())

@@ -137,6 +137,7 @@ class Barrier(enum.IntEnum):
     TURN_WG2 = 3
     V_TAIL = 4        # varlen: the last V block's tail is zeroed before anyone's P V reads it
     O_FREE = 5        # cfg.own_o: the previous tile's O store has read sO (warp 4 arrives)
+    TURN_WG3 = 6      # three consumer warpgroups: the third's turn (ids 2..5 were taken)
 
 
 class FlashFwdSm90:
@@ -627,14 +628,24 @@ class FlashFwdSm90:
                 cute.arch.barrier_arrive(barrier_id=int(Barrier.TURN_WG1),
                                          number_of_threads=2 * WG_THREADS)
 
+    def turn_barrier(self, wg):
+        """The named barrier of warpgroup ``wg``'s turn (TURN_WG1 + wg; the third: TURN_WG3)."""
+        if const_expr(self.cfg.num_consumer_wg == 2):
+            return int(Barrier.TURN_WG1) + wg
+        return int(Barrier.TURN_WG1) + wg + (wg // 2) * (
+            int(Barrier.TURN_WG3) - int(Barrier.TURN_WG1) - 2)
+
     def wait_turn(self, wg):
         if const_expr(self.cfg.pingpong):
-            cute.arch.barrier(barrier_id=int(Barrier.TURN_WG1) + wg,
-                              number_of_threads=2 * WG_THREADS)
+            cute.arch.barrier(barrier_id=self.turn_barrier(wg), number_of_threads=2 * WG_THREADS)
 
     def pass_turn(self, wg):
+        """Hand the turn to the next warpgroup (of two: the other; of three: in a ring)."""
         if const_expr(self.cfg.pingpong):
-            cute.arch.barrier_arrive(barrier_id=int(Barrier.TURN_WG1) + 1 - wg,
+            nxt = 1 - wg
+            if const_expr(self.cfg.num_consumer_wg == 3):
+                nxt = wg + 1 - (wg // 2) * 3
+            cute.arch.barrier_arrive(barrier_id=self.turn_barrier(nxt),
                                      number_of_threads=2 * WG_THREADS)
 
     @cute.jit
