@@ -11,9 +11,11 @@ package itself never depends on them.
 
 Grid (FA3 paper): total tokens fixed (batch = total_tokens // seqlen), hidden 2048
 (nheads = 2048 // d). FLOPs: forward 4*b*s^2*h*d, halved when causal; backward 2.5x forward.
-Timing: CUDA events around each call, median of ``--reps`` calls after ``--warmup`` calls (the
-first warm-up call also pays any JIT compile), and at least ``--warmup-ms`` of back-to-back
-calls: a cell that follows seconds of compiling starts on an idle GPU. Backward is timed as
+Timing: per shape, every (impl, direction) cell is run once first (which pays any JIT
+compile), then timed in ``--rounds`` interleaved rounds: CUDA events around each call, the
+median of its share of ``--reps`` calls per round, in the first round after ``--warmup`` calls
+and at least ``--warmup-ms`` of back-to-back calls; the cell's time is the median over the
+rounds. Backward is timed as
 ``torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)`` so nothing accumulates.
 
 Robustness: every (shape, impl, direction) cell catches its own exception and shows the class
@@ -172,6 +174,18 @@ class Timing:
     reps: int = 20
     cell_seconds: float = 0.0  # 0: no cap
     warmup_ms: float = 0.0     # more warm-up calls, until about this much work has run
+    # bench_shape times a shape's cells in this many interleaved rounds (reps split among
+    # them), every cell compiled and run once before any is timed.
+    rounds: int = 1
+
+    def round(self, r: int) -> "Timing":
+        """The settings of round ``r``: its share of the reps and of the cell's time cap; the
+        warm-up in the first round only (the rounds follow one another without a pause)."""
+        share = dict(reps=max(1, math.ceil(self.reps / self.rounds)),
+                     cell_seconds=self.cell_seconds / self.rounds, rounds=1)
+        if r == 0:
+            return Timing(self.warmup, warmup_ms=self.warmup_ms, **share)
+        return Timing(0, warmup_ms=0.0, **share)
 
 
 def time_ms(fn: Callable[[], object], timing: Timing, cuda: bool = True) -> tuple[float, int]:
@@ -229,9 +243,9 @@ def _cuda_alive(device: str = "cuda") -> bool:
         return False
 
 
-def _time_direction(run, layout, q, k, v, dout, causal, direction, timing: Timing):
-    """Returns (ms, reps, out in bshd layout or None). Layout changes happen outside the timed
-    calls."""
+def _prepare_direction(run, layout, q, k, v, dout, causal, direction):
+    """(the call to time, a function returning its output in bshd layout or None). Layout
+    changes happen here, outside the timed calls; the backward's forward runs here once."""
     import torch
 
     def to(t):  # bshd <-> bhsd is the same transpose both ways; a view, no copy
@@ -239,16 +253,16 @@ def _time_direction(run, layout, q, k, v, dout, causal, direction, timing: Timin
 
     if direction == "fwd":
         qi, ki, vi = to(q), to(k), to(v)
-        with torch.no_grad():
-            ms, reps = time_ms(lambda: run(qi, ki, vi, causal), timing, q.is_cuda)
-            out = to(run(qi, ki, vi, causal))
-        return ms, reps, out
+
+        def fwd():
+            with torch.no_grad():
+                return run(qi, ki, vi, causal)
+        return fwd, lambda: to(fwd())
     qi, ki, vi = (to(t).detach().requires_grad_() for t in (q, k, v))
     out = run(qi, ki, vi, causal)
     do = to(dout)
-    ms, reps = time_ms(lambda: torch.autograd.grad(out, (qi, ki, vi), do, retain_graph=True),
-                       timing, q.is_cuda)
-    return ms, reps, None
+    return (lambda: torch.autograd.grad(out, (qi, ki, vi), do, retain_graph=True),
+            lambda: None)
 
 
 def _error_fields(e: BaseException) -> dict:
@@ -278,31 +292,57 @@ def bench_shape(shape: Shape, impls: list[Impl], directions, timing: Timing, run
     # Random normal inputs (never zeros: zeros make softmax trivially uniform and hide work).
     q, k, v, dout = (torch.randn(shape.batch, shape.seqlen, shape.nheads, shape.d, device=device,
                                  dtype=dtype, generator=gen) for _ in range(4))
-    records, outs = [], {}
+    records, outs, cells = [], {}, []  # cells: (record, impl, the call to time, its output)
+
+    def failed(rec, impl, e):  # one implementation's failure never ends the run
+        rec.update(_error_fields(e))
+        if not _cuda_alive(device):
+            raise CudaContextLost(f"{impl.name} {rec['direction']}: {rec['error_msg']}",
+                                  records) from e
+
     try:
+        # Every cell compiled and run once before any is timed: a cell timed right after its
+        # own compile (seconds of an idle GPU) read 5-20% low (docs/performance.md, session 17).
         for impl in impls:
             for direction in directions:
                 rec = dict(asdict(shape), direction=direction, impl=impl.name,
                            flops=attn_flops(shape.batch, shape.seqlen, shape.nheads, shape.d,
                                             shape.causal, direction),
                            ms=None, tflops=None, error=None)
+                records.append(rec)
                 try:
                     run = _runner(impl, runners)
                     with impl.context():
-                        ms, n, out = _time_direction(run, impl.layout, q, k, v, dout,
-                                                     shape.causal, direction, timing)
-                    rec.update(ms=ms, tflops=tflops(rec["flops"], ms), reps=n)
-                    if out is not None:
-                        outs[impl.name] = out
-                except Exception as e:  # one implementation's failure never ends the run
-                    rec.update(_error_fields(e))
-                    if not _cuda_alive(device):
-                        records.append(rec)
-                        raise CudaContextLost(f"{impl.name} {direction}: {rec['error_msg']}",
-                                              records) from e
-                out = None
-                records.append(rec)
-                gc.collect()
+                        fn, output = _prepare_direction(run, impl.layout, q, k, v, dout,
+                                                        shape.causal, direction)
+                        fn()
+                    cells.append((rec, impl, fn, output))
+                except Exception as e:
+                    failed(rec, impl, e)
+        # Then the rounds, each timing every cell in turn: drift hits all cells alike.
+        times = {id(rec): ([], 0) for rec, *_ in cells}
+        for r in range(timing.rounds):
+            for rec, impl, fn, _ in cells:
+                if rec["error"] is not None:
+                    continue
+                try:
+                    with impl.context():
+                        ms, n = time_ms(fn, timing.round(r), device == "cuda")
+                    got, reps = times[id(rec)]
+                    times[id(rec)] = (got + [ms], reps + n)
+                except Exception as e:
+                    failed(rec, impl, e)
+        for rec, impl, _, output in cells:
+            if rec["error"] is None:
+                ms_rounds, reps = times[id(rec)]
+                ms = statistics.median(ms_rounds)
+                rec.update(ms=ms, tflops=tflops(rec["flops"], ms), reps=reps)
+                with impl.context():
+                    out = output()
+                if out is not None:
+                    outs[impl.name] = out
+        cells.clear()
+        gc.collect()
         try:
             _cross_check(records, outs)
         except Exception as e:  # informational only: never lose the timings over it
@@ -627,6 +667,7 @@ def _bench_shape_in_child(shape: Shape, args) -> list[dict]:
                "--causal", str(int(shape.causal)), "--total-tokens", str(args.total_tokens),
                "--dir", *args.dir, "--impl", *args.impl, "--reps", str(args.reps),
                "--warmup", str(args.warmup), "--warmup-ms", str(args.warmup_ms),
+               "--rounds", str(args.rounds),
                "--cell-seconds", str(args.cell_seconds),
                "--out", out, "--plot", "", "--no-progress",
                "--quiet", "--device", args.device]
@@ -658,7 +699,7 @@ def run_grid(args, emit=print) -> dict:
         emit("bench: no CUDA device; nothing to measure")
         return payload
     t0, runners, lost = time.time(), {}, None
-    timing = Timing(args.warmup, args.reps, args.cell_seconds, args.warmup_ms)
+    timing = Timing(args.warmup, args.reps, args.cell_seconds, args.warmup_ms, args.rounds)
     bar = progress_bar(len(shapes), args.progress)
     if not args.quiet:
         bar.write(table_header(args.impl))
@@ -718,6 +759,12 @@ def build_parser() -> argparse.ArgumentParser:
     # then 487 TFLOP/s in a re-run) with 3 warm-up calls, about 1 ms of work.
     p.add_argument("--warmup-ms", type=float, default=200.0,
                    help="warm-up calls until about this many ms of work have run (default 200)")
+    # Session 17: the grid's lowest ratios were the cells timed right after flash_cute's own
+    # compile (exp_bwd, which compiles every variant first and interleaves, read them 5-20%
+    # higher).
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved timing rounds per shape, after every cell ran once; "
+                        "the reps are split among them (default 3)")
     p.add_argument("--cell-seconds", type=float, default=15.0,
                    help="cap on one cell's timing loop: fewer reps (>= 3) for slow cells; "
                         "0 = no cap (default 15)")
@@ -755,6 +802,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dir = [d for d in DIRECTIONS if d in args.dir]
     if args.reps < 1:
         build_parser().error("--reps must be >= 1")
+    if args.rounds < 1:
+        build_parser().error("--rounds must be >= 1")
     return args
 
 

@@ -400,3 +400,42 @@ def test_bwd_timeline_phases():
     assert out["gap"] == [50]
     assert out["issue"] == [10, -10, 5] and out["kv wait"] == [50, 70, 15]
     assert out["wg2 lag"] == [40, -10, 0]
+
+
+def test_bench_shape_runs_every_cell_before_timing_and_interleaves(monkeypatch):
+    """Every (impl, direction) cell runs once (its compile) before any is timed, then the
+    cells are timed in turn, round after round: no cell is timed right after its own compile,
+    and drift hits all alike. The reps are split among the rounds."""
+    log = []
+
+    def logging_runner(name):
+        def load():
+            sdpa = _sdpa_bshd()
+
+            def run(q, k, v, causal):
+                log.append(name)
+                return sdpa(q, k, v, causal)
+            return run
+        return load
+
+    monkeypatch.setattr(bench, "_load_flash_cute", logging_runner("fc"))
+    monkeypatch.setattr(bench, "_load_fa4", logging_runner("fa4"))
+    shape = bench.make_shape("bf16", 64, 32, False, 32)
+    impls = bench.get_impls(["flash_cute", "fa4"])
+    recs = bench.bench_shape(shape, impls, ["fwd"], bench.Timing(warmup=2, reps=6, rounds=3),
+                             runners={}, device="cpu")
+    assert all(r["tflops"] > 0 for r in recs) and [r["reps"] for r in recs] == [6, 6]
+    assert log[:2] == ["fc", "fa4"]  # the first calls, before any timing
+    # Each round: fc's 2 untimed + 2 timed calls (round 0 has no extra warm-up: warmup=2),
+    # then fa4's; the cross-check's output calls last.
+    rounds = log[2:-2]
+    assert rounds == (["fc"] * 4 + ["fa4"] * 4) * 3, rounds
+    assert log[-2:] == ["fc", "fa4"]
+
+
+def test_timing_round_splits_reps_and_warms_up_once():
+    t = bench.Timing(warmup=5, reps=10, cell_seconds=15.0, warmup_ms=200.0, rounds=3)
+    first, later = t.round(0), t.round(1)
+    assert (first.reps, first.warmup, first.warmup_ms) == (4, 5, 200.0)
+    assert (later.reps, later.warmup, later.warmup_ms) == (4, 0, 0.0)
+    assert first.cell_seconds == later.cell_seconds == 5.0
