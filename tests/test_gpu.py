@@ -387,9 +387,11 @@ def test_grads_awkward(sq, sk, d):
     check_grads(*qkv_inputs(2, sq, sk, 2, 2, d, seed=sq), (0, 1, 2), causal=True)
 
 
-@pytest.mark.parametrize("d", [96, 192, 256])
-def test_grads_scale_and_fp16(d):
-    check_grads(*qkv_inputs(2, 200, 330, 4, 4, d, dtype=torch.float16, seed=23), (0, 1, 2),
+@pytest.mark.parametrize("d,sq", [(64, 200), (96, 200), (128, 1100), (192, 200), (256, 200)])
+def test_grads_scale_and_fp16(d, sq):
+    """fp16 and a softmax_scale; d=64 takes the 128-row tile, d=128 at 1100 queries the
+    80-row one (their fp16 dS^T path differs from bf16's, BwdSm90Config.p16_view)."""
+    check_grads(*qkv_inputs(2, sq, 330, 4, 4, d, dtype=torch.float16, seed=23), (0, 1, 2),
                 softmax_scale=0.2)
 
 

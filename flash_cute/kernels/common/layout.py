@@ -112,15 +112,12 @@ def cvt_pair(lo: Float32, hi: Float32, to_dtype, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def unpack_half(word: Int32, hi: bool, from_dtype, *, loc=None, ip=None) -> Float32:
-    """One 16-bit half of a packed register as fp32: bf16 by one shift or mask (its bits are
-    fp32's high half), fp16 by one conversion. Reading 16-bit elements of a packed fragment
-    one by one instead makes ptxas extract each high half into a register of its own first."""
-    if from_dtype is cutlass.BFloat16:
-        asm = "and.b32 $0, $1, 0xffff0000;" if hi else "shl.b32 $0, $1, 16;"
-    else:
-        asm = ("{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $1; cvt.f32.f16 $0, %s; }"
-               % ("hi" if hi else "lo"))
+def unpack_bf16(word: Int32, hi: bool, *, loc=None, ip=None) -> Float32:
+    """One bf16 half of a packed register as fp32, by one shift or mask (bf16's bits are
+    fp32's high half). Reading the 16-bit elements of a packed fragment one by one instead
+    makes ptxas first extract each high half into a register of its own. (fp16 needs a
+    conversion per element either way.)"""
+    asm = "and.b32 $0, $1, 0xffff0000;" if hi else "shl.b32 $0, $1, 16;"
     return Float32(llvm.inline_asm(T.f32(), [Int32(word).ir_value(loc=loc, ip=ip)], asm,
                                    "=f,r", has_side_effects=False, is_align_stack=False,
                                    asm_dialect=llvm.AsmDialect.AD_ATT))

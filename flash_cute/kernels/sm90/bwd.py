@@ -848,7 +848,8 @@ class FlashBwdSm90(DqWarp):
 
         if const_expr(self.ds_from_p16 and self.cfg.ds16):
             bwd_cols.ds16_from_dp(rdS, tdPrdP, rP, tScS, t0ScS, sD, s, dsum)
-        elif const_expr(self.ds_from_p16 and self.cfg.p16_view):
+        elif const_expr(self.ds_from_p16 and self.cfg.p16_view
+                        and self.dtype is cutlass.BFloat16):  # fp16: one cvt per element anyway
             bwd_cols.ds_from_dp_packed(tdPrdP, rP, tScS, t0ScS, sD, s, dsum)
             self.to_16bit(rdS, tdPrdP)
         else:

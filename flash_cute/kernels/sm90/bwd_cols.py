@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..common.layout import acc_as_mn, cvt_pair, mul_pair, unpack_half
+from ..common.layout import acc_as_mn, cvt_pair, mul_pair, unpack_bf16
 
 
 @cute.jit
@@ -68,8 +68,8 @@ def ds_from_dp(tdPrdP: cute.Tensor, p_mn: cute.Tensor, tScS: cute.Tensor, t0ScS:
 def ds_from_dp_packed(tdPrdP: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor,
                       t0ScS: cute.Tensor, sD: cute.Tensor, s: Int32,
                       dsum: Optional[cute.Tensor] = None):
-    """ds_from_dp with P^T as rP, its compact 16-bit copy in the accumulator layout: each
-    element unpacked from its register word (unpack_half), one instruction per element."""
+    """ds_from_dp with P^T as rP, its compact bf16 copy in the accumulator layout: each
+    element unpacked from its register word (unpack_bf16), one instruction per element."""
     dp_mn = acc_as_mn(tdPrdP)
     p_mn_layout = acc_as_mn(rP).layout
     words = cute.recast_tensor(rP, Int32)
@@ -77,7 +77,7 @@ def ds_from_dp_packed(tdPrdP: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor,
         dsum_c = col_value(sD, s, dsum, tScS, t0ScS, c)
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
             i = cute.crd2idx((r, c), p_mn_layout)
-            p = unpack_half(words[i // 2], i % 2 == 1, rP.element_type)
+            p = unpack_bf16(words[i // 2], i % 2 == 1)
             dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c)
 
 
