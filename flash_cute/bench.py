@@ -292,7 +292,8 @@ def bench_shape(shape: Shape, impls: list[Impl], directions, timing: Timing, run
     # Random normal inputs (never zeros: zeros make softmax trivially uniform and hide work).
     q, k, v, dout = (torch.randn(shape.batch, shape.seqlen, shape.nheads, shape.d, device=device,
                                  dtype=dtype, generator=gen) for _ in range(4))
-    records, outs, cells = [], {}, []  # cells: (record, impl, the call to time, its output)
+    # cells: (record, impl, the call to time, its output, (ms, reps) of each round timed)
+    records, outs, cells = [], {}, []
 
     def failed(rec, impl, e):  # one implementation's failure never ends the run
         rec.update(_error_fields(e))
@@ -316,27 +317,23 @@ def bench_shape(shape: Shape, impls: list[Impl], directions, timing: Timing, run
                         fn, output = _prepare_direction(run, impl.layout, q, k, v, dout,
                                                         shape.causal, direction)
                         fn()
-                    cells.append((rec, impl, fn, output))
+                    cells.append((rec, impl, fn, output, []))
                 except Exception as e:
                     failed(rec, impl, e)
         # Then the rounds, each timing every cell in turn: drift hits all cells alike.
-        times = {id(rec): ([], 0) for rec, *_ in cells}
         for r in range(timing.rounds):
-            for rec, impl, fn, _ in cells:
+            for rec, impl, fn, _, timed in cells:
                 if rec["error"] is not None:
                     continue
                 try:
                     with impl.context():
-                        ms, n = time_ms(fn, timing.round(r), device == "cuda")
-                    got, reps = times[id(rec)]
-                    times[id(rec)] = (got + [ms], reps + n)
+                        timed.append(time_ms(fn, timing.round(r), device == "cuda"))
                 except Exception as e:
                     failed(rec, impl, e)
-        for rec, impl, _, output in cells:
+        for rec, impl, _, output, timed in cells:
             if rec["error"] is None:
-                ms_rounds, reps = times[id(rec)]
-                ms = statistics.median(ms_rounds)
-                rec.update(ms=ms, tflops=tflops(rec["flops"], ms), reps=reps)
+                ms = statistics.median(m for m, _ in timed)
+                rec.update(ms=ms, tflops=tflops(rec["flops"], ms), reps=sum(n for _, n in timed))
                 with impl.context():
                     out = output()
                 if out is not None:
