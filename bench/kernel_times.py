@@ -83,10 +83,10 @@ def main():
     p.add_argument("--grid-calls", action="store_true",
                    help="time the benchmark's own calls, with their wall time per call")
     a = p.parse_args()
+    make = grid_calls if a.grid_calls else calls_for
     for d in a.d:
         for s in a.s:
             for c in a.causal:
-                make = grid_calls if a.grid_calls else calls_for
                 for impl, fn in make(a.dir, d, s, bool(c)).items():
                     table = kernel_table(fn, a.n)
                     total = sum(t for t, _ in table.values())

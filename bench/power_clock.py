@@ -6,14 +6,15 @@ the benchmark's longer loops put it behind: docs/performance.md, session 18.)
     python bench/power_clock.py [--seconds 2] [--cells bwd:128:16384:1,fwd:64:16384:0]
 
 Each (cell, implementation) runs back to back for --seconds, twice, in the order ours, FA4,
-ours, FA4; nvidia-smi samples the clock and the power every 50 ms meanwhile. Printed per run:
+ours, FA4; a thread polls nvidia-smi for the clock and the power meanwhile. Printed per run:
 the median ms of the first 10 calls and of the second half, and the median SM MHz, watts and
 clock-event reasons over the second half.
 """
 import argparse
+import contextlib
 import statistics
 import subprocess
-import tempfile
+import threading
 import time
 
 import torch
@@ -23,7 +24,8 @@ from flash_cute import bench
 
 CELLS = ("bwd:128:16384:1,bwd:128:16384:0,bwd:128:4096:1,bwd:64:4096:0,fwd:64:16384:0,"
          "fwd:128:16384:0")
-QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+POLL_S = 0.05  # between polls; one nvidia-smi call itself takes a few tens of ms
 
 
 def run_for(fn, seconds):
@@ -43,22 +45,27 @@ def run_for(fn, seconds):
     return t0, time.time(), [s.elapsed_time(e) for s, e in pairs]
 
 
-def samples(path, start, end):
-    """nvidia-smi rows (MHz, W, temperature, reasons) logged between start and end (epoch s)."""
-    rows = []
-    for line in open(path):
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 5:
-            continue
-        try:
-            t = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
-            t += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
-            mhz, watts, temp = float(parts[1].split()[0]), float(parts[2].split()[0]), parts[3]
-        except (ValueError, IndexError):
-            continue
-        if start <= t <= end:
-            rows.append((mhz, watts, temp, parts[4]))
-    return rows
+class Sampler(threading.Thread):
+    """nvidia-smi polled in a loop, each row stamped with the host clock when it came back (a
+    logging nvidia-smi buffers its file, so rows arrive late or not at all)."""
+
+    def __init__(self, query):
+        super().__init__(daemon=True)
+        self.cmd = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"]
+        self.rows, self.stop = [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            out = subprocess.run(self.cmd, capture_output=True, text=True).stdout
+            parts = [x.strip() for x in out.strip().split(",")]
+            with contextlib.suppress(ValueError, IndexError):  # a failed or partial poll
+                self.rows.append((time.time(), float(parts[0]), float(parts[1]), parts[2],
+                                  parts[3]))
+            self.stop.wait(POLL_S)
+
+    def between(self, start, end):
+        """(MHz, W, temperature, reasons) of the rows stamped between start and end."""
+        return [r[1:] for r in list(self.rows) if start <= r[0] <= end]
 
 
 def main():
@@ -66,13 +73,12 @@ def main():
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--cells", default=CELLS)
     a = p.parse_args()
-    log = tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False).name
     query = QUERY
     if subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"],
                       capture_output=True).returncode:  # drivers before the field's rename
         query = query.replace("clocks_event_reasons", "clocks_throttle_reasons")
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader",
-                            "-lms", "50", "-f", log])
+    smi = Sampler(query)
+    smi.start()
     print(f"{'cell':22} {'impl':10} pass  first10_ms  steady_ms  TFLOP/s   MHz     W  temp reasons")
     try:
         for cell in a.cells.split(","):
@@ -85,7 +91,7 @@ def main():
                 for impl, fn in calls.items():
                     t0, t1, ms = run_for(fn, a.seconds)
                     steady = statistics.median(ms[len(ms) // 2:])
-                    rows = samples(log, t0 + (t1 - t0) / 2, t1)
+                    rows = smi.between(t0 + (t1 - t0) / 2, t1)
                     mhz = statistics.median(r[0] for r in rows) if rows else float("nan")
                     watts = statistics.median(r[1] for r in rows) if rows else float("nan")
                     temp = rows[-1][2] if rows else "?"
@@ -94,7 +100,7 @@ def main():
                           f"{steady:10.3f} {bench.tflops(flops, steady):8.1f} {mhz:5.0f} "
                           f"{watts:5.0f} {temp:>5} {','.join(reasons)}", flush=True)
     finally:
-        smi.terminate()
+        smi.stop.set()
 
 
 if __name__ == "__main__":
