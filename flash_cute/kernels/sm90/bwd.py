@@ -107,8 +107,9 @@ from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, pdl
 from .bwd_dq import DqWarp
-from .bwd_types import (DQ_THREADS, DQ_TURN_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut,
-                        KeyTile, LoadOperands, PersistentTiles, parity_barrier)
+from .bwd_types import (DQ_CONVERT_THREADS, DQ_CONVERT_WARP0, DQ_JOB_SLOTS, DQ_THREADS,
+                        DQ_TURN_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
+                        LoadOperands, PersistentTiles, parity_barrier)
 from .epilogue import store_acc_rows, store_staged
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -195,7 +196,7 @@ class FlashBwdSm90(DqWarp):
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                  num_sms: Optional[Int32], heads_per_section: Int32,
-                 tail_section: Optional[Int32],
+                 tail_section: Optional[Int32], mdQ: Optional[cute.Tensor],
                  stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
@@ -206,7 +207,8 @@ class FlashBwdSm90(DqWarp):
         (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32.
         num_sms bounds the persistent grid (else None); heads_per_section and tail_section are
         the scheduler's L2 sections (kernels/common/scheduler.py), for both launch styles
-        (varlen: tail_section None, sections are per sequence)."""
+        (varlen: tail_section None, sections are per sequence). mdQ: cfg.fused_dq's output,
+        shaped like mQ (else None)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
@@ -216,6 +218,8 @@ class FlashBwdSm90(DqWarp):
         else:
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [1, 3, 2, 0])
                                          for t in (mQ, mdO, mK, mV, mdK, mdV)]
+            if const_expr(mdQ is not None):
+                mdQ = select_modes(mdQ, [1, 3, 2, 0])
             mLSE, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE, mD)]
             mdQaccum = select_modes(mdQaccum, [2, 3, 1, 0])
             mSem = select_modes(mSem, [2, 1, 0])
@@ -256,6 +260,8 @@ class FlashBwdSm90(DqWarp):
         self.kv_bytes = cute.size_in_bytes(dt, sK_layout) + (
             0 if const_expr(self.v_with_do) else self.v_bytes)
 
+        job_slots = DQ_JOB_SLOTS if const_expr(self.cfg.fused_dq) else 0
+
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
@@ -271,6 +277,9 @@ class FlashBwdSm90(DqWarp):
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)],
                                    SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
+            # cfg.fused_dq: the convert warps' job ring (bwd_dq.py); empty otherwise
+            mbar_job: cute.struct.MemRange[cutlass.Int64, 2 * job_slots]
+            job_slot: cute.struct.MemRange[Int32, job_slots]
 
         self.shared_storage = SharedStorage
         sections = (heads_per_section, tail_section)
@@ -282,7 +291,7 @@ class FlashBwdSm90(DqWarp):
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                    mSeqUsedK, *sections, tma_dk, tma_dv).launch(
+                    mSeqUsedK, *sections, tma_dk, tma_dv, mdQ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -353,7 +362,8 @@ class FlashBwdSm90(DqWarp):
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], section: Int32, tail_section: Optional[Int32],
-               tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom]):
+               tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom],
+               mdQ: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv):
@@ -364,6 +374,11 @@ class FlashBwdSm90(DqWarp):
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                         section, tail_section)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        jobs = None
+        if const_expr(self.cfg.fused_dq):  # initialised here, fenced and synced with the rest
+            jobs = (scheduler.make_tile_pipeline(storage.mbar_job.data_ptr(),
+                                                 DQ_CONVERT_THREADS, DQ_JOB_SLOTS),
+                    storage.job_slot.get_tensor(cute.make_layout(DQ_JOB_SLOTS)))
         # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
         # K/V, once the stores have read them.
         kv_releasers = (1,) if const_expr(self.persistent and self.staged_dkv and
@@ -400,7 +415,10 @@ class FlashBwdSm90(DqWarp):
                     pdl.launch_dependents(self.cfg.pdl)
                 if warp_idx == DQ_WARP:
                     pdl.wait_prior(self.cfg.pdl)  # dQaccum is zeroed by bwd_pre
-                    self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
+                    self.dq_reduce(mdQaccum, mSem, sdQ, tiles, jobs)
+                if const_expr(self.cfg.fused_dq):
+                    if warp_idx >= DQ_CONVERT_WARP0:
+                        self.dq_convert(mdQaccum, mdQ, tiles, jobs, dk_scale)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv), sQ, sK, sV,

@@ -1,13 +1,26 @@
 """The dQ warp of the SM90 backward (bwd.py; bwd_wide.py overrides the per-tile part): it adds
 each query block's fp32 dQ tile from shared memory (sdQ) into dQaccum with one TMA bulk
-reduce-add, handing sdQ back and forth with the mma warpgroups through named barriers."""
+reduce-add, handing sdQ back and forth with the mma warpgroups through named barriers.
+
+cfg.fused_dq: once a block's adds have landed (non-deterministic: checked one block later, so
+the wait costs nothing), the dQ warp counts them on the block's semaphore; the key block that
+completes the count (block_info.n_blocks_visible) hands the block to the convert warps (two
+idle warps of the load warpgroup) through a ring of int32 jobs in shared memory, and they
+write dQ = scale * dQaccum in the input dtype (bwd_post's work, done while the tile runs):
+
+    dQ warp  --jobs (DQ_JOB_SLOTS, full: 1 arrive, empty: DQ_CONVERT_THREADS)-->  convert warps
+             a query block number; -1 ends the tile
+"""
 from functools import partial
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr, pipeline
 
-from .bwd_types import DQ_THREADS, DQ_TURN_THREADS, Barrier, KeyTile, parity_barrier
+from ..common import block_info, scheduler
+from .bwd_post import scale_tile_rows
+from .bwd_types import (DQ_CONVERT_THREADS, DQ_CONVERT_WARP0, DQ_JOB_SLOTS, DQ_THREADS,
+                        DQ_TURN_THREADS, Barrier, KeyTile, parity_barrier)
 from .pipelines import bulk_reduce_add_f32
 
 
@@ -17,18 +30,19 @@ class DqWarp:
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
-                  tiles):
+                  tiles, jobs=None):
         """dQ warp: per tile and query block, add the sdQ tile into the block's dQaccum rows
-        with a TMA bulk reduction; sdQ is handed back once the reduction has read it."""
+        with a TMA bulk reduction; sdQ is handed back once the reduction has read it.
+        ``jobs``: (pipeline, slots) of the fused dQ's job ring (cfg.fused_dq), else None."""
         lane = cute.arch.lane_idx()
-        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
+        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane, jobs), None)
         if lane == 0:  # sdQ read: the CTA may exit (its adds land before the grid completes)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.stamp(mSem, lane, {"dq_done": None})
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
-                tile: KeyTile, carry):
+                jobs, tile: KeyTile, carry):
         """The sdQ hand-off, per query block: DQ_EMPTY (dQ warp arrives, mma warpgroups wait)
         then DQ_FULL (mma warpgroups arrive, dQ warp waits), one of each per block. One CTA
         per tile: the first arrive precedes the loop and the last block's is skipped, so no
@@ -52,6 +66,9 @@ class DqWarp:
         # cfg.stagger: one warpgroup per block (the one with the dQ turn), ids by parity.
         threads = DQ_TURN_THREADS if const_expr(self.cfg.stagger) else DQ_THREADS
         bar = self.hand_off_barrier
+        fused = const_expr(jobs is not None)
+        if const_expr(fused):
+            job = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DQ_JOB_SLOTS)
         if const_expr(not self.persistent):
             if m_begin < m_end:
                 cute.arch.barrier_arrive(
@@ -66,18 +83,14 @@ class DqWarp:
             if lane == 0:
                 gdQ = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, self.d),
                                       (m_block, 0))
-                if const_expr(self.varlen):
-                    sem = mSem.iterator + cute.crd2idx((seq.offset_q_pad // tm + m_block, head),
-                                                       mSem.layout)
-                else:
-                    sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
+                sem = self.dq_semaphore(mSem, tile, m_block)
                 if const_expr(self.deterministic):
                     while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
                         pass
                     cute.arch.fence_proxy("async.global")  # acquire before the async adds
                 bulk_reduce_add_f32(gdQ.iterator, sdQ.iterator, tile_bytes)
                 cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.deterministic):
+                if const_expr(self.deterministic and not fused):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds have landed
                     cute.arch.fence_proxy("async.global")
                     cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
@@ -89,7 +102,73 @@ class DqWarp:
                     cute.arch.barrier_arrive(
                         barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_block + 1),
                         number_of_threads=threads)
+            if const_expr(fused):
+                # Deterministic: the next key block waits on this count, so at once. Else the
+                # previous block's: its adds went out a block ago and have landed by now.
+                if const_expr(self.deterministic):
+                    job = self.count_dq_adds(mSem, tile, m_block, 0, lane, jobs, job)
+                elif m_block > m_begin:
+                    job = self.count_dq_adds(mSem, tile, m_block - 1, 1, lane, jobs, job)
+        if const_expr(fused):
+            if const_expr(not self.deterministic):
+                if m_begin < m_end:
+                    job = self.count_dq_adds(mSem, tile, m_end - 1, 0, lane, jobs, job)
+            job = scheduler.publish_tile(jobs[0], job, jobs[1], Int32(-1))  # the tile's end
         return carry
+
+    def dq_semaphore(self, mSem: cute.Tensor, tile: KeyTile, m_block: Int32):
+        """Query block ``m_block``'s semaphore (deterministic order, cfg.fused_dq count)."""
+        if const_expr(self.varlen):
+            return mSem.iterator + cute.crd2idx(
+                (tile.seq.offset_q_pad // self.tile_m + m_block, tile.head), mSem.layout)
+        return mSem.iterator + cute.crd2idx((m_block, tile.head, tile.batch), mSem.layout)
+
+    @cute.jit
+    def count_dq_adds(self, mSem: cute.Tensor, tile: KeyTile, m_block: Int32,
+                      newer_groups: cutlass.Constexpr[int], lane: Int32, jobs, job):
+        """cfg.fused_dq, dQ warp: once this tile's adds into ``m_block`` have landed (all bulk
+        groups but the ``newer_groups`` issued after them), count them on its semaphore; the
+        key block that completes the count hands ``m_block`` to the convert warps. The
+        acq_rel add orders every counted key block's adds before the convert warps' reads
+        (through the job ring's barriers). Returns the job ring's producer state."""
+        last = Int32(0)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(newer_groups, read=False)
+            cute.arch.fence_proxy("async.global")  # the bulk adds before the count
+            old = cute.arch.atomic_add(self.dq_semaphore(mSem, tile, m_block), Int32(1),
+                                       sem="acq_rel", scope="gpu")
+            adding = block_info.n_blocks_visible(m_block, self.tile_m, self.tile_n,
+                                                 tile.seq.seqlen_q, tile.seq.seqlen_k,
+                                                 self.causal)
+            if old + 1 == adding:
+                last = Int32(1)
+        if cute.arch.shuffle_sync(last, 0) != 0:
+            job = scheduler.publish_tile(jobs[0], job, jobs[1], m_block)
+        return job
+
+    @cute.jit
+    def dq_convert(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tiles, jobs,
+                   scale: Float32):
+        """cfg.fused_dq, the convert warps (DQ_CONVERT_WARP0 and the next): per job, dQ =
+        scale * dQaccum over the query block's rows in the input dtype (bwd_post's work)."""
+        tidx = cute.arch.thread_idx()[0] - DQ_CONVERT_WARP0 * 32
+        job = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_JOB_SLOTS)
+        self.each_tile(tiles, partial(self.convert_tile, mdQaccum, mdQ, jobs, scale, tidx), job)
+
+    @cute.jit
+    def convert_tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, jobs, scale: Float32,
+                     tidx: Int32, tile: KeyTile, job):
+        seq, head, batch, tm = tile.seq, tile.head, tile.batch, self.tile_m
+        m_block, job = scheduler.receive_tile(jobs[0], job, jobs[1])
+        while m_block >= 0:
+            scale_tile_rows(
+                cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, self.d),
+                                (m_block, 0)),
+                cute.local_tile(seq.q_rows(mdQ, head, batch), (tm, self.d), (m_block, 0)),
+                seq.seqlen_q - m_block * tm, scale, tidx, DQ_CONVERT_THREADS, tm, self.d,
+                self.cfg.dq_swizzle)
+            m_block, job = scheduler.receive_tile(jobs[0], job, jobs[1])
+        return job
 
     def hand_off_barrier(self, even: Barrier, odd: Barrier, m_block: Int32):
         """The dQ hand-off barrier of query block ``m_block`` (cfg.stagger: by parity)."""

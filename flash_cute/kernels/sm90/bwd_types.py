@@ -14,6 +14,11 @@ WG_THREADS = 128
 NUM_MMA_WG = 2
 DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ turn + the dQ warp
+# cfg.fused_dq: warps 2 and 3 of the load warpgroup (0: load, 1: dQ) convert finished dQ
+# blocks; the ring holds a few jobs so a burst of completed blocks never stalls the dQ warp.
+DQ_CONVERT_WARP0 = 2
+DQ_CONVERT_THREADS = 64
+DQ_JOB_SLOTS = 4
 
 
 class Barrier(enum.IntEnum):
