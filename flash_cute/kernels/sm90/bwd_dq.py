@@ -24,6 +24,12 @@ from .bwd_types import (DQ_CONVERT_THREADS, DQ_CONVERT_WARP0, DQ_JOB_SLOTS, DQ_T
 from .pipelines import bulk_reduce_add_f32
 
 
+def job_state(count: Int32):
+    """The job ring's PipelineState after ``count`` jobs (DQ_JOB_SLOTS a power of 2)."""
+    return pipeline.PipelineState(DQ_JOB_SLOTS, count, count % DQ_JOB_SLOTS,
+                                  (count // DQ_JOB_SLOTS) % 2)
+
+
 class DqWarp:
     """The dQ warp's role methods, mixed into FlashBwdSm90 (they read its configuration:
     tile_m, d, cfg, varlen, deterministic, persistent, and walk its tiles with each_tile)."""
@@ -152,14 +158,17 @@ class DqWarp:
         """cfg.fused_dq, the convert warps (DQ_CONVERT_WARP0 and the next): per job, dQ =
         scale * dQaccum over the query block's rows in the input dtype (bwd_post's work)."""
         tidx = cute.arch.thread_idx()[0] - DQ_CONVERT_WARP0 * 32
-        job = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DQ_JOB_SLOTS)
-        self.each_tile(tiles, partial(self.convert_tile, mdQaccum, mdQ, jobs, scale, tidx), job)
+        self.each_tile(tiles, partial(self.convert_tile, mdQaccum, mdQ, jobs, scale, tidx),
+                       Int32(0))
 
     @cute.jit
     def convert_tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, jobs, scale: Float32,
-                     tidx: Int32, tile: KeyTile, job):
+                     tidx: Int32, tile: KeyTile, received: Int32):
+        """One tile's jobs; ``received``: the jobs taken so far (the ring position, carried
+        alone: the warps' 24 registers are tight)."""
         seq, head, batch, tm = tile.seq, tile.head, tile.batch, self.tile_m
-        m_block, job = scheduler.receive_tile(jobs[0], job, jobs[1])
+        m_block = scheduler.receive_tile(jobs[0], job_state(received), jobs[1])[0]
+        received += 1
         while m_block >= 0:
             scale_tile_rows(
                 cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, self.d),
@@ -167,8 +176,10 @@ class DqWarp:
                 cute.local_tile(seq.q_rows(mdQ, head, batch), (tm, self.d), (m_block, 0)),
                 seq.seqlen_q - m_block * tm, scale, tidx, DQ_CONVERT_THREADS, tm, self.d,
                 self.cfg.dq_swizzle)
-            m_block, job = scheduler.receive_tile(jobs[0], job, jobs[1])
-        return job
+            m_block = scheduler.receive_tile(jobs[0], job_state(received), jobs[1])[0]
+            received += 1
+        return received
+
 
     def hand_off_barrier(self, even: Barrier, odd: Barrier, m_block: Int32):
         """The dQ hand-off barrier of query block ``m_block`` (cfg.stagger: by parity)."""

@@ -174,7 +174,7 @@ def scale_tile_rows(gAcc: cute.Tensor, gOut: cute.Tensor, rows: Int32, scale: Fl
     half = first >> 1  # (row >> 1) = half + i * rows_per_step / 2: dq_src_col per step
     for i in cutlass.range_constexpr(-(-tile_m // rows_per_step)):
         row = first + i * rows_per_step
-        if row < rows and first < rows_per_step:
+        if row < rows and (threads % vecs_per_row == 0 or first < rows_per_step):
             src = col ^ ((half + i * (rows_per_step // 2)) & 3) if const_expr(swizzle) else col
             acc = cute.make_rmem_tensor((VEC,), Float32)
             cute.autovec_copy(cute.local_tile(gAcc[row, None], (VEC,), (src,)), acc)
