@@ -404,8 +404,9 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
     CTA per tile), each unless the caller or FLASH_CUTE_BWD_CONFIG chooses those fields. A
     per-call choice among cached kernels: no length in any compile key."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
+    asked = {**env_overrides(), **(cfg_overrides or {})}
     extra = {}
-    timeline = {**env_overrides(), **(cfg_overrides or {})}.get("timeline")  # takes the sems
+    timeline = asked.get("timeline")  # its stamps take the semaphores
     if (d not in BWD_WIDE_HEAD_DIMS and not persistent and not timeline
             and not chosen & set(BATCHED_FUSED_DQ)):
         extra.update(BATCHED_FUSED_DQ)
@@ -413,8 +414,8 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
     if d == 64 and not chosen & set(BATCHED_TILE_M128):
         extra.update(BATCHED_TILE_M128)
     elif (d == 128 and not persistent and seqlen_q >= talt_min
-            and not chosen & set(BATCHED_TALT)):
-        extra.update(BATCHED_TALT)
+            and not chosen & set(BATCHED_TALT) and not asked.get("fused_dq")):
+        extra = dict(BATCHED_TALT)  # no fused dQ: no shared memory left beside the 80-row tile
     return {**extra, **(cfg_overrides or {})} if extra else cfg_overrides
 
 

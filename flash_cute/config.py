@@ -536,8 +536,9 @@ class BwdSm90Config:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
         if self.v_with_do and self.wide:
             raise ValueError("v_with_do: the narrow kernel (d 64/96/128) only")
-        if self.fused_dq and (self.wide or self.persistent):
-            raise ValueError("fused_dq: the narrow one-tile-per-CTA kernel (d 64/96/128) only")
+        if self.fused_dq and (self.wide or self.persistent or self.dq_transposed):
+            raise ValueError("fused_dq: the narrow one-tile-per-CTA kernel (d 64/96/128) "
+                             "without the 80-row tile (no shared memory left to stage dQ)")
         if self.fused_dq and self.timeline:
             raise ValueError("fused_dq counts on the semaphores that timeline's stamps replace")
         if self.timeline and (self.wide or self.persistent):

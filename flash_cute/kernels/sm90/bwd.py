@@ -107,7 +107,8 @@ from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, pdl
 from .bwd_dq import DqWarp
-from .bwd_types import (DQ_CONVERT_THREADS, DQ_CONVERT_WARP0, DQ_JOB_SLOTS, DQ_THREADS,
+from .bwd_types import (DQ_CONVERT_CHUNKS, DQ_CONVERT_THREADS, DQ_CONVERT_WARP0,
+                        DQ_JOB_SLOTS, DQ_THREADS,
                         DQ_TURN_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
                         LoadOperands, PersistentTiles, parity_barrier)
 from .epilogue import store_acc_rows, store_staged
@@ -261,6 +262,9 @@ class FlashBwdSm90(DqWarp):
             0 if const_expr(self.v_with_do) else self.v_bytes)
 
         job_slots = DQ_JOB_SLOTS if const_expr(self.cfg.fused_dq) else 0
+        stage_mbars = 1 if const_expr(self.cfg.fused_dq) else 0
+        stage_floats = (tm // DQ_CONVERT_CHUNKS * self.cfg.dq_row
+                        if const_expr(self.cfg.fused_dq) else 0)
 
         @cute.struct
         class SharedStorage:
@@ -277,9 +281,11 @@ class FlashBwdSm90(DqWarp):
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)],
                                    SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
-            # cfg.fused_dq: the convert warps' job ring (bwd_dq.py); empty otherwise
+            # cfg.fused_dq: the convert warps' job ring and staged rows (bwd_dq.py); else empty
             mbar_job: cute.struct.MemRange[cutlass.Int64, 2 * job_slots]
             job_slot: cute.struct.MemRange[Int32, job_slots]
+            mbar_stage: cute.struct.MemRange[cutlass.Int64, stage_mbars]
+            sStage: cute.struct.Align[cute.struct.MemRange[Float32, stage_floats], 128]
 
         self.shared_storage = SharedStorage
         sections = (heads_per_section, tail_section)
@@ -379,6 +385,8 @@ class FlashBwdSm90(DqWarp):
             jobs = (scheduler.make_tile_pipeline(storage.mbar_job.data_ptr(),
                                                  DQ_CONVERT_THREADS, DQ_JOB_SLOTS),
                     storage.job_slot.get_tensor(cute.make_layout(DQ_JOB_SLOTS)))
+            if warp_idx == 0:
+                cute.arch.mbarrier_init(storage.mbar_stage.data_ptr(), 1)
         # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
         # K/V, once the stores have read them.
         kv_releasers = (1,) if const_expr(self.persistent and self.staged_dkv and
@@ -418,7 +426,11 @@ class FlashBwdSm90(DqWarp):
                     self.dq_reduce(mdQaccum, mSem, sdQ, tiles, jobs)
                 if const_expr(self.cfg.fused_dq):
                     if warp_idx >= DQ_CONVERT_WARP0:
-                        self.dq_convert(mdQaccum, mdQ, tiles, jobs, dk_scale)
+                        chunk_layout = cute.make_layout(
+                            (self.tile_m // DQ_CONVERT_CHUNKS, self.d), stride=(self.cfg.dq_row, 1))
+                        self.dq_convert(mdQaccum, mdQ, tiles, jobs,
+                                        storage.sStage.get_tensor(chunk_layout),
+                                        storage.mbar_stage.data_ptr(), dk_scale)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv), sQ, sK, sV,

@@ -18,10 +18,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
 
 from ..common import block_info, scheduler
-from .bwd_post import scale_tile_rows
-from .bwd_types import (DQ_CONVERT_THREADS, DQ_CONVERT_WARP0, DQ_JOB_SLOTS, DQ_THREADS,
-                        DQ_TURN_THREADS, Barrier, KeyTile, parity_barrier)
-from .pipelines import bulk_reduce_add_f32
+from .bwd_post import scale_rows
+from .bwd_types import (DQ_CONVERT_CHUNKS, DQ_CONVERT_THREADS, DQ_CONVERT_WARP0,
+                        DQ_JOB_SLOTS, DQ_THREADS, DQ_TURN_THREADS, Barrier, KeyTile,
+                        parity_barrier)
+from .pipelines import bulk_copy_g2s, bulk_reduce_add_f32
 
 
 def job_state(count: Int32):
@@ -154,32 +155,46 @@ class DqWarp:
 
     @cute.jit
     def dq_convert(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tiles, jobs,
-                   scale: Float32):
-        """cfg.fused_dq, the convert warps (DQ_CONVERT_WARP0 and the next): per job, dQ =
-        scale * dQaccum over the query block's rows in the input dtype (bwd_post's work)."""
+                   sStage: cute.Tensor, mbar_stage: cute.Pointer, scale: Float32):
+        """cfg.fused_dq, the convert warps (DQ_CONVERT_WARP0 and the next): per job, the query
+        block's dQ sums come into ``sStage`` chunk by chunk (one bulk copy each, tracked by
+        ``mbar_stage``) and leave as dQ = scale * sums in the input dtype (bwd_post's work)."""
         tidx = cute.arch.thread_idx()[0] - DQ_CONVERT_WARP0 * 32
-        self.each_tile(tiles, partial(self.convert_tile, mdQaccum, mdQ, jobs, scale, tidx),
-                       Int32(0))
+        self.each_tile(tiles, partial(self.convert_tile, mdQaccum, mdQ, jobs, sStage,
+                                      mbar_stage, scale, tidx), Int32(0))
 
     @cute.jit
-    def convert_tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, jobs, scale: Float32,
-                     tidx: Int32, tile: KeyTile, received: Int32):
-        """One tile's jobs; ``received``: the jobs taken so far (the ring position, carried
-        alone: the warps' 24 registers are tight)."""
-        seq, head, batch, tm = tile.seq, tile.head, tile.batch, self.tile_m
+    def convert_tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, jobs, sStage: cute.Tensor,
+                     mbar_stage: cute.Pointer, scale: Float32, tidx: Int32, tile: KeyTile,
+                     received: Int32):
+        """One tile's jobs; ``received``: the jobs taken so far (the ring position and the
+        staging barrier's phase, carried alone: the warps' 24 registers are tight)."""
+        seq, head, batch, tm, d = tile.seq, tile.head, tile.batch, self.tile_m, self.d
+        chunk = tm // DQ_CONVERT_CHUNKS
+        # The chunk's rows, padded like dQaccum's; the last row's padding is not copied (it
+        # may lie past the allocation, as for the bulk reduce).
+        chunk_bytes = (chunk * self.cfg.dq_row - self.cfg.dq_row_pad) * 4
         m_block = scheduler.receive_tile(jobs[0], job_state(received), jobs[1])[0]
-        received += 1
         while m_block >= 0:
-            scale_tile_rows(
-                cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, self.d),
-                                (m_block, 0)),
-                cute.local_tile(seq.q_rows(mdQ, head, batch), (tm, self.d), (m_block, 0)),
-                seq.seqlen_q - m_block * tm, scale, tidx, DQ_CONVERT_THREADS, tm, self.d,
-                self.cfg.dq_swizzle)
-            m_block = scheduler.receive_tile(jobs[0], job_state(received), jobs[1])[0]
+            gAcc = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, d), (m_block, 0))
+            gOut = cute.local_tile(seq.q_rows(mdQ, head, batch), (tm, d), (m_block, 0))
+            for c in cutlass.range_constexpr(DQ_CONVERT_CHUNKS):
+                if tidx == 0:
+                    # The previous chunk's generic reads of sStage before this async write.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_stage, chunk_bytes)
+                    bulk_copy_g2s(sStage.iterator,
+                                  cute.local_tile(gAcc, (chunk, d), (c, 0)).iterator,
+                                  chunk_bytes, mbar_stage)
+                cute.arch.mbarrier_wait(mbar_stage, (received * DQ_CONVERT_CHUNKS + c) % 2)
+                scale_rows(sStage, cute.local_tile(gOut, (chunk, d), (c, 0)),
+                           seq.seqlen_q - m_block * tm - c * chunk, scale, tidx,
+                           DQ_CONVERT_THREADS)
+                cute.arch.barrier(barrier_id=int(Barrier.DQ_CONVERTED),
+                                  number_of_threads=DQ_CONVERT_THREADS)
             received += 1
-        return received
-
+            m_block = scheduler.receive_tile(jobs[0], job_state(received), jobs[1])[0]
+        return received + 1
 
     def hand_off_barrier(self, even: Barrier, odd: Barrier, m_block: Int32):
         """The dQ hand-off barrier of query block ``m_block`` (cfg.stagger: by parity)."""

@@ -147,37 +147,24 @@ class FlashBwdPostSm90:
 
     def src_col(self, col, row):
         """The accumulator's vector index holding output vector ``col`` of ``row``."""
-        return dq_src_col(col, row, self.dq_swizzle)
-
-
-def dq_src_col(col, row, swizzle: bool):
-    """dQaccum's vector (of VEC floats) holding output vector ``col`` of tile row ``row``:
-    itself, or with ``swizzle`` (BwdSm90Config.dq_swizzle) its group permuted by the row."""
-    return col ^ ((row >> 1) & 3) if const_expr(swizzle) else col
+        return col ^ ((row >> 1) & 3) if const_expr(self.dq_swizzle) else col
 
 
 @cute.jit
-def scale_tile_rows(gAcc: cute.Tensor, gOut: cute.Tensor, rows: Int32, scale: Float32,
-                    tidx: Int32, threads: cutlass.Constexpr[int],
-                    tile_m: cutlass.Constexpr[int], d: cutlass.Constexpr[int],
-                    swizzle: cutlass.Constexpr[bool]):
-    """gOut = scale * gAcc in gOut's dtype over the first ``rows`` rows of one (tile_m, d)
-    tile of dQaccum (the backward main kernel's fused dQ, BwdSm90Config.fused_dq). Each of
-    ``threads`` threads keeps one VEC-column and steps over rows a fixed distance apart, so
-    its addresses are a base plus constants (its warps have few registers)."""
+def scale_rows(sAcc: cute.Tensor, gOut: cute.Tensor, rows: Int32, scale: Float32, tidx: Int32,
+               threads: cutlass.Constexpr[int]):
+    """gOut = scale * sAcc in gOut's dtype over the first ``rows`` rows of a (rows, d) chunk
+    of dQ sums staged in shared memory (the backward main kernel's fused dQ,
+    BwdSm90Config.fused_dq), VEC elements per thread and step over ``threads`` threads."""
+    chunk_rows, d = cute.size(sAcc, mode=[0]), cute.size(sAcc, mode=[1])
     vecs_per_row = d // VEC
     rows_per_step = threads // vecs_per_row  # d=96: 5 rows of 12 vectors, 4 threads idle
-    col = tidx % vecs_per_row
-    first = tidx // vecs_per_row
-    if const_expr(swizzle and rows_per_step % 2 != 0):
-        raise ValueError(f"the swizzled dQaccum needs an even row step, got {rows_per_step}")
-    half = first >> 1  # (row >> 1) = half + i * rows_per_step / 2: dq_src_col per step
-    for i in cutlass.range_constexpr(-(-tile_m // rows_per_step)):
+    col, first = tidx % vecs_per_row, tidx // vecs_per_row
+    for i in cutlass.range_constexpr(-(-chunk_rows // rows_per_step)):
         row = first + i * rows_per_step
         if row < rows and (threads % vecs_per_row == 0 or first < rows_per_step):
-            src = col ^ ((half + i * (rows_per_step // 2)) & 3) if const_expr(swizzle) else col
             acc = cute.make_rmem_tensor((VEC,), Float32)
-            cute.autovec_copy(cute.local_tile(gAcc[row, None], (VEC,), (src,)), acc)
+            cute.autovec_copy(cute.local_tile(sAcc[row, None], (VEC,), (col,)), acc)
             out = cute.make_rmem_tensor((VEC,), gOut.element_type)
             out.store((acc.load() * scale).to(gOut.element_type))
             cute.autovec_copy(out, cute.local_tile(gOut[row, None], (VEC,), (col,)))

@@ -19,6 +19,9 @@ DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ tur
 DQ_CONVERT_WARP0 = 2
 DQ_CONVERT_THREADS = 64
 DQ_JOB_SLOTS = 4
+# A finished dQ block is brought into shared memory in this many row chunks (one bulk copy
+# each): half a tile fits beside the d=128 / tile_m 64 kernel's 195 KB, a whole one does not.
+DQ_CONVERT_CHUNKS = 2
 
 
 class Barrier(enum.IntEnum):
@@ -34,6 +37,7 @@ class Barrier(enum.IntEnum):
     DS_READY_ODD = 8
     DQ_FULL_ODD = 9
     DQ_EMPTY_ODD = 10
+    DQ_CONVERTED = 11  # cfg.fused_dq: the convert warps are done reading the staged rows
 
 
 def parity_barrier(even: Barrier, odd: Barrier, step: Int32) -> Int32:
