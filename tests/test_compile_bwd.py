@@ -97,7 +97,8 @@ def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, per
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
     cubin = backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic,
-                               persistent=persistent, **backward.batched_overrides(d))
+                               persistent=persistent,
+                               **backward.batched_overrides(d, persistent=persistent))
     check_main_sass(sass_opcodes(cubin, tmp_path))
 
 
@@ -118,6 +119,29 @@ def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tm
                        tmp_path)
     check_main_sass(ops)
     assert ops.get("STS.64", 0) == 0 and ops.get("STS", 0) > 0  # the transposed dQ^T stores
+
+
+# BwdSm90Config.fused_dq (batched, below the wide head dims, not the 80-row tile): the convert
+# warps stage finished dQ blocks by bulk copy and store them in the input dtype.
+FUSED_DQ = ([("BFloat16", 128, c, g, det) for c in (False, True) for g in (False, True)
+             for det in (False, True)]
+            + [("BFloat16", 64, c, g, False) for c in (False, True) for g in (False, True)]
+            + [("BFloat16", 64, True, False, True), ("BFloat16", 96, False, False, False),
+               ("BFloat16", 96, True, True, True), ("Float16", 64, False, False, False),
+               ("Float16", 128, True, False, False)])
+
+
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", FUSED_DQ, ids=lambda v: str(v))
+def test_bwd_fused_dq_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    ov = backward.batched_overrides(d, None, causal, 1024 if causal else 512)
+    assert ov.get("fused_dq") and ov.get("tile_m", 64) != backward.BWD_TILE_M80
+    ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, **ov),
+                       tmp_path)
+    check_main_sass(ops)
+    assert ops.get("UBLKCP", 0) > 0 and ops.get("ATOMG", 0) > 0  # staged dQ, counted adds
+    assert ops.get("STG.E", 0) >= ops.get("UBLKCP", 0)  # dQ stored from the convert warps
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

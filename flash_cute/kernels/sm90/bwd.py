@@ -385,7 +385,7 @@ class FlashBwdSm90(DqWarp):
             jobs = (scheduler.make_tile_pipeline(storage.mbar_job.data_ptr(),
                                                  DQ_CONVERT_THREADS, DQ_JOB_SLOTS),
                     storage.job_slot.get_tensor(cute.make_layout(DQ_JOB_SLOTS)))
-            if warp_idx == 0:
+            if cute.arch.thread_idx()[0] == 0:  # one arrive (with the copy's bytes) per chunk
                 cute.arch.mbarrier_init(storage.mbar_stage.data_ptr(), 1)
         # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
         # K/V, once the stores have read them.

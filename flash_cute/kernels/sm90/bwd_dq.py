@@ -20,7 +20,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from ..common import block_info, scheduler
 from .bwd_post import scale_rows
 from .bwd_types import (DQ_CONVERT_CHUNKS, DQ_CONVERT_THREADS, DQ_CONVERT_WARP0,
-                        DQ_JOB_SLOTS, DQ_THREADS, DQ_TURN_THREADS, Barrier, KeyTile,
+                        DQ_COUNT_LAG, DQ_JOB_SLOTS, DQ_THREADS, DQ_TURN_THREADS, Barrier, KeyTile,
                         parity_barrier)
 from .pipelines import bulk_copy_g2s, bulk_reduce_add_f32
 
@@ -111,15 +111,19 @@ class DqWarp:
                         number_of_threads=threads)
             if const_expr(fused):
                 # Deterministic: the next key block waits on this count, so at once. Else the
-                # previous block's: its adds went out a block ago and have landed by now.
+                # block DQ_COUNT_LAG back: its adds went out that many blocks ago (waiting for
+                # the newest ones to land stalled the hand-off under L2 reduce traffic).
                 if const_expr(self.deterministic):
                     job = self.count_dq_adds(mSem, tile, m_block, 0, lane, jobs, job)
-                elif m_block > m_begin:
-                    job = self.count_dq_adds(mSem, tile, m_block - 1, 1, lane, jobs, job)
+                elif m_block >= m_begin + DQ_COUNT_LAG:
+                    job = self.count_dq_adds(mSem, tile, m_block - DQ_COUNT_LAG, DQ_COUNT_LAG,
+                                             lane, jobs, job)
         if const_expr(fused):
-            if const_expr(not self.deterministic):
-                if m_begin < m_end:
-                    job = self.count_dq_adds(mSem, tile, m_end - 1, 0, lane, jobs, job)
+            if const_expr(not self.deterministic):  # the last DQ_COUNT_LAG blocks
+                for j in cutlass.range_constexpr(DQ_COUNT_LAG):
+                    if m_end - DQ_COUNT_LAG + j >= m_begin:
+                        job = self.count_dq_adds(mSem, tile, m_end - DQ_COUNT_LAG + j,
+                                                 DQ_COUNT_LAG - 1 - j, lane, jobs, job)
             job = scheduler.publish_tile(jobs[0], job, jobs[1], Int32(-1))  # the tile's end
         return carry
 
@@ -135,19 +139,21 @@ class DqWarp:
                       newer_groups: cutlass.Constexpr[int], lane: Int32, jobs, job):
         """cfg.fused_dq, dQ warp: once this tile's adds into ``m_block`` have landed (all bulk
         groups but the ``newer_groups`` issued after them), count them on its semaphore; the
-        key block that completes the count hands ``m_block`` to the convert warps. The
-        acq_rel add orders every counted key block's adds before the convert warps' reads
-        (through the job ring's barriers). Returns the job ring's producer state."""
+        key block that completes the count hands ``m_block`` to the convert warps. Each
+        count releases its key block's adds; the last one's fence acquires them all for the
+        convert warps' reads (through the job ring's barriers). Returns the job ring's
+        producer state."""
         last = Int32(0)
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(newer_groups, read=False)
             cute.arch.fence_proxy("async.global")  # the bulk adds before the count
             old = cute.arch.atomic_add(self.dq_semaphore(mSem, tile, m_block), Int32(1),
-                                       sem="acq_rel", scope="gpu")
+                                       sem="release", scope="gpu")
             adding = block_info.n_blocks_visible(m_block, self.tile_m, self.tile_n,
                                                  tile.seq.seqlen_q, tile.seq.seqlen_k,
                                                  self.causal)
             if old + 1 == adding:
+                cute.arch.fence_acq_rel_gpu()
                 last = Int32(1)
         if cute.arch.shuffle_sync(last, 0) != 0:
             job = scheduler.publish_tile(jobs[0], job, jobs[1], m_block)

@@ -162,7 +162,9 @@ def scale_rows(sAcc: cute.Tensor, gOut: cute.Tensor, rows: Int32, scale: Float32
     col, first = tidx % vecs_per_row, tidx // vecs_per_row
     for i in cutlass.range_constexpr(-(-chunk_rows // rows_per_step)):
         row = first + i * rows_per_step
-        if row < rows and (threads % vecs_per_row == 0 or first < rows_per_step):
+        # The last step may pass the chunk (d=96: 5-row steps over 32 rows).
+        in_chunk = chunk_rows % rows_per_step == 0 or row < chunk_rows
+        if row < rows and in_chunk and (threads % vecs_per_row == 0 or first < rows_per_step):
             acc = cute.make_rmem_tensor((VEC,), Float32)
             cute.autovec_copy(cute.local_tile(sAcc[row, None], (VEC,), (col,)), acc)
             out = cute.make_rmem_tensor((VEC,), gOut.element_type)

@@ -22,6 +22,9 @@ DQ_JOB_SLOTS = 4
 # A finished dQ block is brought into shared memory in this many row chunks (one bulk copy
 # each): half a tile fits beside the d=128 / tile_m 64 kernel's 195 KB, a whole one does not.
 DQ_CONVERT_CHUNKS = 2
+# Non-deterministic: the dQ warp counts a block's adds this many blocks after issuing them,
+# so waiting for them to land never holds up the next hand-off.
+DQ_COUNT_LAG = 2
 
 
 class Barrier(enum.IntEnum):
