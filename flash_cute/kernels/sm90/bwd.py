@@ -285,6 +285,7 @@ class FlashBwdSm90(DqWarp):
             mbar_job: cute.struct.MemRange[cutlass.Int64, 2 * job_slots]
             job_slot: cute.struct.MemRange[Int32, job_slots]
             mbar_stage: cute.struct.MemRange[cutlass.Int64, stage_mbars]
+            job_last: cute.struct.MemRange[Int32, 2 * stage_mbars]
             sStage: cute.struct.Align[cute.struct.MemRange[Float32, stage_floats], 128]
 
         self.shared_storage = SharedStorage
@@ -428,9 +429,11 @@ class FlashBwdSm90(DqWarp):
                     if warp_idx >= DQ_CONVERT_WARP0:
                         chunk_layout = cute.make_layout(
                             (self.tile_m // DQ_CONVERT_CHUNKS, self.d), stride=(self.cfg.dq_row, 1))
-                        self.dq_convert(mdQaccum, mdQ, tiles, jobs,
+                        self.dq_convert(mdQaccum, mdQ, mSem, tiles, jobs,
                                         storage.sStage.get_tensor(chunk_layout),
-                                        storage.mbar_stage.data_ptr(), dk_scale)
+                                        storage.mbar_stage.data_ptr(),
+                                        storage.job_last.get_tensor(cute.make_layout(2)),
+                                        dk_scale)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv), sQ, sK, sV,

@@ -97,7 +97,7 @@ class DqWarp:
                     cute.arch.fence_proxy("async.global")  # acquire before the async adds
                 bulk_reduce_add_f32(gdQ.iterator, sdQ.iterator, tile_bytes)
                 cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.deterministic and not fused):
+                if const_expr(self.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds have landed
                     cute.arch.fence_proxy("async.global")
                     cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
@@ -110,22 +110,24 @@ class DqWarp:
                         barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_block + 1),
                         number_of_threads=threads)
             if const_expr(fused):
-                # Deterministic: the next key block waits on this count, so at once. Else the
-                # block DQ_COUNT_LAG back: its adds went out that many blocks ago (waiting for
-                # the newest ones to land stalled the hand-off under L2 reduce traffic).
-                if const_expr(self.deterministic):
-                    job = self.count_dq_adds(mSem, tile, m_block, 0, lane, jobs, job)
+                if const_expr(self.deterministic):  # counted above: key block N(m) - 1 is last
+                    if n_block + 1 == self.dq_adders(tile, m_block):
+                        job = scheduler.publish_tile(jobs[0], job, jobs[1], m_block)
                 elif m_block >= m_begin + DQ_COUNT_LAG:
-                    job = self.count_dq_adds(mSem, tile, m_block - DQ_COUNT_LAG, DQ_COUNT_LAG,
-                                             lane, jobs, job)
+                    job = self.dq_landed(m_block - DQ_COUNT_LAG, DQ_COUNT_LAG, lane, jobs, job)
         if const_expr(fused):
             if const_expr(not self.deterministic):  # the last DQ_COUNT_LAG blocks
                 for j in cutlass.range_constexpr(DQ_COUNT_LAG):
                     if m_end - DQ_COUNT_LAG + j >= m_begin:
-                        job = self.count_dq_adds(mSem, tile, m_end - DQ_COUNT_LAG + j,
-                                                 DQ_COUNT_LAG - 1 - j, lane, jobs, job)
+                        job = self.dq_landed(m_end - DQ_COUNT_LAG + j, DQ_COUNT_LAG - 1 - j,
+                                             lane, jobs, job)
             job = scheduler.publish_tile(jobs[0], job, jobs[1], Int32(-1))  # the tile's end
         return carry
+
+    def dq_adders(self, tile: KeyTile, m_block: Int32):
+        """How many key blocks add into query block ``m_block`` (0 .. N - 1)."""
+        return block_info.n_blocks_visible(m_block, self.tile_m, self.tile_n, tile.seq.seqlen_q,
+                                           tile.seq.seqlen_k, self.causal)
 
     def dq_semaphore(self, mSem: cute.Tensor, tile: KeyTile, m_block: Int32):
         """Query block ``m_block``'s semaphore (deterministic order, cfg.fused_dq count)."""
@@ -135,72 +137,89 @@ class DqWarp:
         return mSem.iterator + cute.crd2idx((m_block, tile.head, tile.batch), mSem.layout)
 
     @cute.jit
-    def count_dq_adds(self, mSem: cute.Tensor, tile: KeyTile, m_block: Int32,
-                      newer_groups: cutlass.Constexpr[int], lane: Int32, jobs, job):
-        """cfg.fused_dq, dQ warp: once this tile's adds into ``m_block`` have landed (all bulk
-        groups but the ``newer_groups`` issued after them), count them on its semaphore; the
-        key block that completes the count hands ``m_block`` to the convert warps. Each
-        count releases its key block's adds; the last one's fence acquires them all for the
-        convert warps' reads (through the job ring's barriers). Returns the job ring's
-        producer state."""
-        last = Int32(0)
+    def dq_landed(self, m_block: Int32, newer_groups: cutlass.Constexpr[int], lane: Int32, jobs,
+                  job):
+        """cfg.fused_dq, non-deterministic dQ warp: once this tile's adds into ``m_block`` have
+        landed (all bulk groups but the ``newer_groups`` issued after them), tell the convert
+        warps, which count them (the count's release fence and round trip stay off this
+        warp, which hands sdQ on). Returns the job ring's producer state."""
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(newer_groups, read=False)
             cute.arch.fence_proxy("async.global")  # the bulk adds before the count
-            old = cute.arch.atomic_add(self.dq_semaphore(mSem, tile, m_block), Int32(1),
-                                       sem="release", scope="gpu")
-            adding = block_info.n_blocks_visible(m_block, self.tile_m, self.tile_n,
-                                                 tile.seq.seqlen_q, tile.seq.seqlen_k,
-                                                 self.causal)
-            if old + 1 == adding:
-                cute.arch.fence_acq_rel_gpu()
-                last = Int32(1)
-        if cute.arch.shuffle_sync(last, 0) != 0:
-            job = scheduler.publish_tile(jobs[0], job, jobs[1], m_block)
-        return job
+        return scheduler.publish_tile(jobs[0], job, jobs[1], m_block)
 
     @cute.jit
-    def dq_convert(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tiles, jobs,
-                   sStage: cute.Tensor, mbar_stage: cute.Pointer, scale: Float32):
-        """cfg.fused_dq, the convert warps (DQ_CONVERT_WARP0 and the next): per job, the query
-        block's dQ sums come into ``sStage`` chunk by chunk (one bulk copy each, tracked by
-        ``mbar_stage``) and leave as dQ = scale * sums in the input dtype (bwd_post's work)."""
+    def dq_convert(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mSem: cute.Tensor, tiles,
+                   jobs, sStage: cute.Tensor, mbar_stage: cute.Pointer, sLast: cute.Tensor,
+                   scale: Float32):
+        """cfg.fused_dq, the convert warps (DQ_CONVERT_WARP0 and the next): per landed block
+        (non-deterministic), count it on the block's semaphore; per block whose count is
+        complete, the dQ sums come into ``sStage`` chunk by chunk (one bulk copy each, tracked
+        by ``mbar_stage``) and leave as dQ = scale * sums in the input dtype (bwd_post's
+        work). ``sLast``: thread 0's verdict for the others, by job parity."""
         tidx = cute.arch.thread_idx()[0] - DQ_CONVERT_WARP0 * 32
-        self.each_tile(tiles, partial(self.convert_tile, mdQaccum, mdQ, jobs, sStage,
-                                      mbar_stage, scale, tidx), Int32(0))
+        self.each_tile(tiles, partial(self.convert_tile, mdQaccum, mdQ, mSem, jobs, sStage,
+                                      mbar_stage, sLast, scale, tidx), Int32(0))
 
     @cute.jit
-    def convert_tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, jobs, sStage: cute.Tensor,
-                     mbar_stage: cute.Pointer, scale: Float32, tidx: Int32, tile: KeyTile,
-                     received: Int32):
-        """One tile's jobs; ``received``: the jobs taken so far (the ring position and the
-        staging barrier's phase, carried alone: the warps' 24 registers are tight)."""
+    def convert_tile(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mSem: cute.Tensor, jobs,
+                     sStage: cute.Tensor, mbar_stage: cute.Pointer, sLast: cute.Tensor,
+                     scale: Float32, tidx: Int32, tile: KeyTile, received: Int32):
+        """One tile's jobs; ``received``: the jobs taken so far (the ring position)."""
+        converted = Int32(0)  # the staging barrier's phase counts converted blocks
+        m_block = scheduler.receive_tile(jobs[0], job_state(received), jobs[1])[0]
+        while m_block >= 0:
+            mine = Int32(1)  # deterministic: the dQ warp publishes only the last key block's
+            if const_expr(not self.deterministic):
+                if tidx == 0:
+                    # Releases the dQ warp's adds (landed before it published the job); the
+                    # count's last fence acquires every key block's.
+                    old = cute.arch.atomic_add(self.dq_semaphore(mSem, tile, m_block),
+                                               Int32(1), sem="release", scope="gpu")
+                    last = Int32(0)
+                    if old + 1 == self.dq_adders(tile, m_block):
+                        cute.arch.fence_acq_rel_gpu()
+                        last = Int32(1)
+                    sLast[received % 2] = last
+                cute.arch.barrier(barrier_id=int(Barrier.DQ_CONVERTED),
+                                  number_of_threads=DQ_CONVERT_THREADS)
+                # Two verdicts: thread 0 can write the next job's before a slow thread reads
+                # this one's, not the one after (it waits at that job's barrier).
+                mine = sLast[received % 2]
+            if mine != 0:
+                self.convert_block(mdQaccum, mdQ, tile, m_block, sStage, mbar_stage, scale,
+                                   tidx, converted)
+                converted += 1
+            received += 1
+            m_block = scheduler.receive_tile(jobs[0], job_state(received), jobs[1])[0]
+        return received + 1
+
+    @cute.jit
+    def convert_block(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, tile: KeyTile,
+                      m_block: Int32, sStage: cute.Tensor, mbar_stage: cute.Pointer,
+                      scale: Float32, tidx: Int32, converted: Int32):
+        """dQ of query block ``m_block`` = scale * its dQaccum rows, through ``sStage``."""
         seq, head, batch, tm, d = tile.seq, tile.head, tile.batch, self.tile_m, self.d
         chunk = tm // DQ_CONVERT_CHUNKS
         # The chunk's rows, padded like dQaccum's; the last row's padding is not copied (it
         # may lie past the allocation, as for the bulk reduce).
         chunk_bytes = (chunk * self.cfg.dq_row - self.cfg.dq_row_pad) * 4
-        m_block = scheduler.receive_tile(jobs[0], job_state(received), jobs[1])[0]
-        while m_block >= 0:
-            gAcc = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, d), (m_block, 0))
-            gOut = cute.local_tile(seq.q_rows(mdQ, head, batch), (tm, d), (m_block, 0))
-            for c in cutlass.range_constexpr(DQ_CONVERT_CHUNKS):
-                if tidx == 0:
-                    # The previous chunk's generic reads of sStage before this async write.
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar_stage, chunk_bytes)
-                    bulk_copy_g2s(sStage.iterator,
-                                  cute.local_tile(gAcc, (chunk, d), (c, 0)).iterator,
-                                  chunk_bytes, mbar_stage)
-                cute.arch.mbarrier_wait(mbar_stage, (received * DQ_CONVERT_CHUNKS + c) % 2)
-                scale_rows(sStage, cute.local_tile(gOut, (chunk, d), (c, 0)),
-                           seq.seqlen_q - m_block * tm - c * chunk, scale, tidx,
-                           DQ_CONVERT_THREADS)
-                cute.arch.barrier(barrier_id=int(Barrier.DQ_CONVERTED),
-                                  number_of_threads=DQ_CONVERT_THREADS)
-            received += 1
-            m_block = scheduler.receive_tile(jobs[0], job_state(received), jobs[1])[0]
-        return received + 1
+        gAcc = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, d), (m_block, 0))
+        gOut = cute.local_tile(seq.q_rows(mdQ, head, batch), (tm, d), (m_block, 0))
+        for c in cutlass.range_constexpr(DQ_CONVERT_CHUNKS):
+            if tidx == 0:
+                # Generic reads (the acquired sums, the previous chunk's sStage reads) before
+                # this async-proxy copy.
+                cute.arch.fence_proxy("async.global")
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_stage, chunk_bytes)
+                bulk_copy_g2s(sStage.iterator, cute.local_tile(gAcc, (chunk, d), (c, 0)).iterator,
+                              chunk_bytes, mbar_stage)
+            cute.arch.mbarrier_wait(mbar_stage, (converted * DQ_CONVERT_CHUNKS + c) % 2)
+            scale_rows(sStage, cute.local_tile(gOut, (chunk, d), (c, 0)),
+                       seq.seqlen_q - m_block * tm - c * chunk, scale, tidx, DQ_CONVERT_THREADS)
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_CONVERTED),
+                              number_of_threads=DQ_CONVERT_THREADS)
 
     def hand_off_barrier(self, even: Barrier, odd: Barrier, m_block: Int32):
         """The dQ hand-off barrier of query block ``m_block`` (cfg.stagger: by parity)."""
