@@ -61,8 +61,8 @@ from flash_cute.reference import attention_ref, check_grads_close
 
 VARIANTS = {
     "default": {},
-    # BwdSm90Config.fused_dq (batched d <= 128 default since session 19): dQ written by the
-    # main kernel's convert warps, no bwd_post for dQ; "unfused" is the bwd_post path.
+    # BwdSm90Config.fused_dq (opt-in, session 19): dQ written by the main kernel's convert
+    # warps, no bwd_post for dQ (d=128: the 64-row tile); "unfused" pins fused_dq off.
     "fused_dq": {"fused_dq": True},
     "unfused": {"fused_dq": False},
     "fused_dq_det": {"fused_dq": True, "deterministic": True},

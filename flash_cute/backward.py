@@ -392,31 +392,21 @@ BWD_TALT_MIN_SEQLEN_Q = 1024
 BWD_TALT_CAUSAL_MIN_SEQLEN_Q = 16384
 
 
-# The batched backward of the narrow kernel writes dQ itself (BwdSm90Config.fused_dq): no
-# bwd_post launch for dQ. Varlen, the persistent kernel and the wide one keep bwd_post.
-BATCHED_FUSED_DQ = {"fused_dq": True}
-
-
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
                       persistent: bool = False):
     """The batched backward's config overrides: BATCHED_TILE_M128 at d=64, BATCHED_TALT at
-    d=128 for long calls (one CTA per tile), BATCHED_FUSED_DQ below the wide head dims (one
-    CTA per tile), each unless the caller or FLASH_CUTE_BWD_CONFIG chooses those fields. A
-    per-call choice among cached kernels: no length in any compile key."""
+    d=128 for long calls (one CTA per tile), unless the caller or FLASH_CUTE_BWD_CONFIG
+    chooses the tile (or asks for BwdSm90Config.fused_dq, which the 80-row tile does not
+    take). A per-call choice among cached kernels: no length in any compile key."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
-    asked = {**env_overrides(), **(cfg_overrides or {})}
-    extra = {}
-    timeline = asked.get("timeline")  # its stamps take the semaphores
-    if (d not in BWD_WIDE_HEAD_DIMS and not persistent and not timeline
-            and not chosen & set(BATCHED_FUSED_DQ)):
-        extra.update(BATCHED_FUSED_DQ)
-    talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
+    fused = {**env_overrides(), **(cfg_overrides or {})}.get("fused_dq")
     if d == 64 and not chosen & set(BATCHED_TILE_M128):
-        extra.update(BATCHED_TILE_M128)
-    elif (d == 128 and not persistent and seqlen_q >= talt_min
-            and not chosen & set(BATCHED_TALT) and not asked.get("fused_dq")):
-        extra = dict(BATCHED_TALT)  # no fused dQ: no shared memory left beside the 80-row tile
-    return {**extra, **(cfg_overrides or {})} if extra else cfg_overrides
+        return {**BATCHED_TILE_M128, **(cfg_overrides or {})}
+    talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
+    if (d == 128 and not persistent and seqlen_q >= talt_min
+            and not chosen & set(BATCHED_TALT) and not fused):
+        return {**BATCHED_TALT, **(cfg_overrides or {})}
+    return cfg_overrides
 
 
 def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:
