@@ -61,11 +61,6 @@ from flash_cute.reference import attention_ref, check_grads_close
 
 VARIANTS = {
     "default": {},
-    # BwdSm90Config.fused_dq (opt-in, session 19): dQ written by the main kernel's convert
-    # warps, no bwd_post for dQ (d=128: the 64-row tile); "unfused" pins fused_dq off.
-    "fused_dq": {"fused_dq": True},
-    "unfused": {"fused_dq": False},
-    "fused_dq_det": {"fused_dq": True, "deterministic": True},
     "alt": {"dq_split": "alt", "dq_first": False, "stagger": False, "early_lse_d": False},
     # The d=128 kernel of sessions 3-4 (BWD_LOCKSTEP_128: "n" split, dq_first, lockstep).
     "lockstep": dict(BWD_LOCKSTEP_128),

@@ -276,9 +276,6 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
     if cfg.timeline and (varlen or deterministic):
         raise NotImplementedError("BwdSm90Config.timeline: batched, non-deterministic calls only "
                                   "(its stamps take the semaphores' buffer)")
-    if cfg.fused_dq and varlen:
-        raise NotImplementedError("BwdSm90Config.fused_dq: batched calls only (varlen dQ rows "
-                                  "past seqused_q would need zeroing of their own)")
     kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
     dkv_dt = cutlass.Float32 if gqa else dt
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
@@ -305,9 +302,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             # SM count (persistent only, else None) and the L2 sections: runtime values (varlen
             # has no tail section: its sections are per sequence).
             cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1),
-            None if varlen else cutlass.Int32(1),
-            # cfg.fused_dq: dQ itself, like q (else bwd_post writes it).
-            _fake_qkv(dt, d, b, sq, h) if cfg.fused_dq else None)
+            None if varlen else cutlass.Int32(1))
     return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 
@@ -396,15 +391,13 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
                       persistent: bool = False):
     """The batched backward's config overrides: BATCHED_TILE_M128 at d=64, BATCHED_TALT at
     d=128 for long calls (one CTA per tile), unless the caller or FLASH_CUTE_BWD_CONFIG
-    chooses the tile (or asks for BwdSm90Config.fused_dq, which the 80-row tile does not
-    take). A per-call choice among cached kernels: no length in any compile key."""
+    chooses the tile. A per-call choice among cached kernels: no length in any compile key."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
-    fused = {**env_overrides(), **(cfg_overrides or {})}.get("fused_dq")
     if d == 64 and not chosen & set(BATCHED_TILE_M128):
         return {**BATCHED_TILE_M128, **(cfg_overrides or {})}
     talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
     if (d == 128 and not persistent and seqlen_q >= talt_min
-            and not chosen & set(BATCHED_TALT) and not fused):
+            and not chosen & set(BATCHED_TALT)):
         return {**BATCHED_TALT, **(cfg_overrides or {})}
     return cfg_overrides
 
@@ -516,11 +509,10 @@ def _require_runnable(d: int, device=None):
                                       f"sm_{major}{minor}")
 
 
-def _semaphores(shape, used: bool, device) -> torch.Tensor:
-    """The dQ counters, one per query block, zeroed (``used``: deterministic order or
-    cfg.fused_dq's count); otherwise a stub of the same rank that the kernel never reads or
-    writes (no fill launched for it)."""
-    if used:
+def _semaphores(shape, deterministic: bool, device) -> torch.Tensor:
+    """The dQ-order counters, one per query block, zeroed (deterministic); otherwise a stub
+    of the same rank that the kernel never reads or writes (no fill launched for it)."""
+    if deterministic:
         return torch.zeros(shape, dtype=torch.int32, device=device)
     return torch.empty((1,) * len(shape), dtype=torch.int32, device=device)
 
@@ -567,11 +559,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           device=q.device)
         global last_timeline
         last_timeline = sem.view(-1, len(BWD_TIMELINE))  # tile (= blockIdx.x) x slot
-    else:  # cfg.fused_dq counts the adds per query block in them
-        sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic or cfg.fused_dq,
-                          q.device)
-    if cfg.fused_dq and causal and sq > sk:
-        dq.zero_()  # the top rows see no key: no key block adds into (or converts) them
+    else:
+        sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic, q.device)
     if gqa:
         dk_out = torch.empty((b, sk, h, d), **f32)
         dv_out = torch.empty((b, sk, h, d), **f32)
@@ -581,10 +570,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     pre(out, dout, lse, lse_log2, dpsum, dq_accum, *NO_VARLEN_Q)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
-         *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal),
-         dq if cfg.fused_dq else None)
-    if not cfg.fused_dq:
-        post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
+         *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal))
+    post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
         post(dv_out, dv, 1.0, *NO_VARLEN_Q)
@@ -646,7 +633,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
          used_k,
          *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), max_seqlen_k,
-                      cfg.tile_n, d, batch * h, causal)[:2], None, None)
+                      cfg.tile_n, d, batch * h, causal)[:2], None)
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)

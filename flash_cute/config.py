@@ -406,13 +406,6 @@ class BwdSm90Config:
     # one rounding more, dP^T - D to 16 bits before the multiply, for +0.2..+1.5% over
     # p16_view in 9 cells; the gradient tests pass with it).
     ds16: bool = False
-    # dQ leaves the main kernel in the input dtype, no bwd_post launch: after its adds into a
-    # query block's dQaccum have landed, each key block counts itself on that block's
-    # semaphore; the one that completes the count (all key blocks that see the block) has
-    # two idle warps of its load warpgroup read the block's sums back from L2, scale them and
-    # store dQ (kernels/sm90/bwd_dq.py). Saves bwd_post's pass over dQaccum (~45 us at the
-    # grid's 16k tokens x 2048 wide). Narrow kernel, batched, one CTA per tile.
-    fused_dq: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -536,11 +529,6 @@ class BwdSm90Config:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
         if self.v_with_do and self.wide:
             raise ValueError("v_with_do: the narrow kernel (d 64/96/128) only")
-        if self.fused_dq and (self.wide or self.persistent or self.dq_transposed):
-            raise ValueError("fused_dq: the narrow one-tile-per-CTA kernel (d 64/96/128) "
-                             "without the 80-row tile (no shared memory left to stage dQ)")
-        if self.fused_dq and self.timeline:
-            raise ValueError("fused_dq counts on the semaphores that timeline's stamps replace")
         if self.timeline and (self.wide or self.persistent):
             raise ValueError("timeline: the narrow one-tile-per-CTA kernel only")
 

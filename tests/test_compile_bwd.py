@@ -120,30 +120,6 @@ def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tm
     assert ops.get("STS.64", 0) == 0 and ops.get("STS", 0) > 0  # the transposed dQ^T stores
 
 
-# BwdSm90Config.fused_dq (opt-in; batched, below the wide head dims, not with the 80-row tile,
-# which a request for it turns off): the convert warps count landed blocks and stage finished
-# ones by bulk copy, storing dQ in the input dtype.
-FUSED_DQ = ([("BFloat16", 128, c, g, det) for c in (False, True) for g in (False, True)
-             for det in (False, True)]
-            + [("BFloat16", 64, c, g, False) for c in (False, True) for g in (False, True)]
-            + [("BFloat16", 64, True, False, True), ("BFloat16", 96, False, False, False),
-               ("BFloat16", 96, True, True, True), ("Float16", 64, False, False, False),
-               ("Float16", 128, True, False, False)])
-
-
-@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", FUSED_DQ, ids=lambda v: str(v))
-def test_bwd_fused_dq_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    ov = backward.batched_overrides(d, {"fused_dq": True}, causal, 1 << 20)
-    assert ov.get("fused_dq") and ov.get("tile_m", 64) != backward.BWD_TILE_M80
-    ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, **ov),
-                       tmp_path)
-    check_main_sass(ops)
-    assert ops.get("UBLKCP", 0) > 0 and ops.get("STG.E", 0) > 0  # staged, then stored
-    assert (ops.get("ATOMG", 0) > 0) != deterministic  # counted by the convert warps
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_varlen_early_lse_d_compiles(causal, tmp_path, monkeypatch):
     """Early LSE / D reads in the varlen d=128 kernel: off by default (backward._compile_main),

@@ -478,37 +478,6 @@ def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
         assert torch.equal(a, b), f"{spec}: {name} differs from the shipped config's"
 
 
-@pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
-@pytest.mark.parametrize("d,hk", [(64, 4), (96, 1), (128, 2)])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("sq,sk", [(1, 1), (239, 1), (1, 239), (700, 300), (113, 203),
-                                   (1100, 1100)])
-def test_fused_dq_matches_bwd_post(d, hk, causal, sq, sk, monkeypatch):
-    """BwdSm90Config.fused_dq (opt-in: the main kernel's convert warps write dQ, no bwd_post
-    for it): deterministic gradients bitwise equal to bwd_post's path at the same tile (d=128:
-    64 rows), including causal calls whose
-    top query rows see no key (sq > sk: blocks no key block adds into) and single rows; the
-    non-deterministic fused dQ against the fp32 oracle."""
-    q, k, v = qkv_inputs(2, sq, sk, 4, hk, d, seed=sq + sk + d)
-    dout = rand(*q.shape, seed=9)
-
-    pin = ",tile_m=64" if d == 128 else ""  # fused_dq keeps d=128 off the 80-row tile
-
-    def grads(fused, deterministic=True):
-        monkeypatch.setenv(backward.CONFIG_ENV, f"fused_dq={int(fused)}{pin}")
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        _poison_allocator()
-        out = flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
-        return torch.autograd.grad(out, leaves, dout)
-
-    for name, a, b in zip(("dq", "dk", "dv"), grads(False), grads(True)):
-        assert torch.equal(a, b), f"fused dQ: {name} differs from bwd_post's"
-    ref = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=True, causal=causal)
-    low = oracle_grads(q, k, v, dout, (0, 1, 2), upcast=False, causal=causal)
-    check_grads_close(grads(True, deterministic=False), [ref[i] for i in range(3)],
-                      [low[i] for i in range(3)])
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_l2_section_size_changes_order_not_results(causal, monkeypatch):
     """The L2 sections (config.l2_sections: heads per section and the tail section, runtime

@@ -3,24 +3,15 @@ import cutlass
 from cutlass import Int32
 
 
-def n_blocks_visible(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
-                     seqlen_k: Int32, causal: bool) -> Int32:
-    """One past the last key block some row of query tile ``m_block`` sees (0 if none). Seen
-    from the key side (the backward), the key blocks 0 .. N - 1 are those whose
-    m_block_min_causal is <= m_block: the ones that add into this tile's dQ. Branch-free, so
-    it also runs on Python ints."""
+def n_block_max(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32, seqlen_k: Int32,
+                causal: bool) -> Int32:
+    """One past the last key block the tile sees; at least 1, so fully masked rows still get
+    a (fully masked) block and come out as 0 with LSE -inf."""
     n_max = (seqlen_k + tile_n - 1) // tile_n
     if causal:
         last_col = (m_block + 1) * tile_m + seqlen_k - seqlen_q  # one past the last visible key
         n_max = cutlass.min(n_max, cutlass.max(last_col + tile_n - 1, 0) // tile_n)
-    return n_max
-
-
-def n_block_max(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32, seqlen_k: Int32,
-                causal: bool) -> Int32:
-    """The forward's key-block loop end: n_blocks_visible, at least 1, so fully masked rows
-    still get a (fully masked) block and come out as 0 with LSE -inf."""
-    return cutlass.max(n_blocks_visible(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal), 1)
+    return cutlass.max(n_max, 1)
 
 
 def n_block_min_causal_mask(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
@@ -51,4 +42,3 @@ def m_block_mask_end(n_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
         end = cutlass.max(full_row + tile_m - 1, 0) // tile_m
     ragged = cutlass.min(cutlass.max((n_block + 1) * tile_n - seqlen_k, 0), 1)  # 0 or 1
     return cutlass.min(cutlass.max(end, ragged * num_m_blocks), num_m_blocks)
-

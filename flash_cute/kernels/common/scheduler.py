@@ -210,16 +210,13 @@ def for_each_tile(count: Int32, body, carry):
 TILE_SLOTS = 2
 
 
-def make_tile_pipeline(barrier_storage: cute.Pointer, num_consumer_threads: int,
-                       num_slots: int = TILE_SLOTS):
+def make_tile_pipeline(barrier_storage: cute.Pointer, num_consumer_threads: int):
     """The claimed-tile ring: full barrier = 1 arrive (the claiming warp's lane 0, after writing
     its slot), empty barrier = one arrive per consumer thread (each after reading the slot, so
     no per-warp ordering of reads before a lane-0 arrive is needed). Initialised without a CTA
-    barrier (defer_sync): the caller's pipeline set-up fences and syncs once for all. Any
-    other ring of int32 work items between one warp and a group of threads fits it too (the
-    backward's dQ jobs, ``num_slots`` deep)."""
+    barrier (defer_sync): the caller's pipeline set-up fences and syncs once for all."""
     return pipeline.PipelineAsync.create(
-        barrier_storage=barrier_storage, num_stages=num_slots,
+        barrier_storage=barrier_storage, num_stages=TILE_SLOTS,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, num_consumer_threads),
         defer_sync=True)

@@ -107,10 +107,8 @@ from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, pdl
 from .bwd_dq import DqWarp
-from .bwd_types import (DQ_CONVERT_CHUNKS, DQ_CONVERT_THREADS, DQ_CONVERT_WARP0,
-                        DQ_JOB_SLOTS, DQ_THREADS,
-                        DQ_TURN_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
-                        LoadOperands, PersistentTiles, parity_barrier)
+from .bwd_types import (DQ_THREADS, DQ_TURN_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut,
+                        KeyTile, LoadOperands, PersistentTiles, parity_barrier)
 from .epilogue import store_acc_rows, store_staged
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -197,7 +195,7 @@ class FlashBwdSm90(DqWarp):
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                  num_sms: Optional[Int32], heads_per_section: Int32,
-                 tail_section: Optional[Int32], mdQ: Optional[cute.Tensor],
+                 tail_section: Optional[Int32],
                  stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
@@ -208,8 +206,7 @@ class FlashBwdSm90(DqWarp):
         (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32.
         num_sms bounds the persistent grid (else None); heads_per_section and tail_section are
         the scheduler's L2 sections (kernels/common/scheduler.py), for both launch styles
-        (varlen: tail_section None, sections are per sequence). mdQ: cfg.fused_dq's output,
-        shaped like mQ (else None)."""
+        (varlen: tail_section None, sections are per sequence)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
@@ -219,8 +216,6 @@ class FlashBwdSm90(DqWarp):
         else:
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [1, 3, 2, 0])
                                          for t in (mQ, mdO, mK, mV, mdK, mdV)]
-            if const_expr(mdQ is not None):
-                mdQ = select_modes(mdQ, [1, 3, 2, 0])
             mLSE, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE, mD)]
             mdQaccum = select_modes(mdQaccum, [2, 3, 1, 0])
             mSem = select_modes(mSem, [2, 1, 0])
@@ -261,11 +256,6 @@ class FlashBwdSm90(DqWarp):
         self.kv_bytes = cute.size_in_bytes(dt, sK_layout) + (
             0 if const_expr(self.v_with_do) else self.v_bytes)
 
-        job_slots = DQ_JOB_SLOTS if const_expr(self.cfg.fused_dq) else 0
-        stage_mbars = 1 if const_expr(self.cfg.fused_dq) else 0
-        stage_floats = (tm // DQ_CONVERT_CHUNKS * self.cfg.dq_row
-                        if const_expr(self.cfg.fused_dq) else 0)
-
         @cute.struct
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
@@ -281,12 +271,6 @@ class FlashBwdSm90(DqWarp):
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)],
                                    SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
-            # cfg.fused_dq: the convert warps' job ring and staged rows (bwd_dq.py); else empty
-            mbar_job: cute.struct.MemRange[cutlass.Int64, 2 * job_slots]
-            job_slot: cute.struct.MemRange[Int32, job_slots]
-            mbar_stage: cute.struct.MemRange[cutlass.Int64, stage_mbars]
-            job_last: cute.struct.MemRange[Int32, 2 * stage_mbars]
-            sStage: cute.struct.Align[cute.struct.MemRange[Float32, stage_floats], 128]
 
         self.shared_storage = SharedStorage
         sections = (heads_per_section, tail_section)
@@ -298,7 +282,7 @@ class FlashBwdSm90(DqWarp):
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                    mSeqUsedK, *sections, tma_dk, tma_dv, mdQ).launch(
+                    mSeqUsedK, *sections, tma_dk, tma_dv).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -369,8 +353,7 @@ class FlashBwdSm90(DqWarp):
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], section: Int32, tail_section: Optional[Int32],
-               tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom],
-               mdQ: Optional[cute.Tensor]):
+               tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv):
@@ -381,13 +364,6 @@ class FlashBwdSm90(DqWarp):
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                         section, tail_section)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        jobs = None
-        if const_expr(self.cfg.fused_dq):  # initialised here, fenced and synced with the rest
-            jobs = (scheduler.make_tile_pipeline(storage.mbar_job.data_ptr(),
-                                                 DQ_CONVERT_THREADS, DQ_JOB_SLOTS),
-                    storage.job_slot.get_tensor(cute.make_layout(DQ_JOB_SLOTS)))
-            if cute.arch.thread_idx()[0] == 0:  # one arrive (with the copy's bytes) per chunk
-                cute.arch.mbarrier_init(storage.mbar_stage.data_ptr(), 1)
         # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
         # K/V, once the stores have read them.
         kv_releasers = (1,) if const_expr(self.persistent and self.staged_dkv and
@@ -424,16 +400,7 @@ class FlashBwdSm90(DqWarp):
                     pdl.launch_dependents(self.cfg.pdl)
                 if warp_idx == DQ_WARP:
                     pdl.wait_prior(self.cfg.pdl)  # dQaccum is zeroed by bwd_pre
-                    self.dq_reduce(mdQaccum, mSem, sdQ, tiles, jobs)
-                if const_expr(self.cfg.fused_dq):
-                    if warp_idx >= DQ_CONVERT_WARP0:
-                        chunk_layout = cute.make_layout(
-                            (self.tile_m // DQ_CONVERT_CHUNKS, self.d), stride=(self.cfg.dq_row, 1))
-                        self.dq_convert(mdQaccum, mdQ, mSem, tiles, jobs,
-                                        storage.sStage.get_tensor(chunk_layout),
-                                        storage.mbar_stage.data_ptr(),
-                                        storage.job_last.get_tensor(cute.make_layout(2)),
-                                        dk_scale)
+                    self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv), sQ, sK, sV,

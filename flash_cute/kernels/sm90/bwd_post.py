@@ -35,7 +35,7 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from ..common import scheduler
 from ..common.seqlen import SeqlenInfo
@@ -148,25 +148,3 @@ class FlashBwdPostSm90:
     def src_col(self, col, row):
         """The accumulator's vector index holding output vector ``col`` of ``row``."""
         return col ^ ((row >> 1) & 3) if const_expr(self.dq_swizzle) else col
-
-
-@cute.jit
-def scale_rows(sAcc: cute.Tensor, gOut: cute.Tensor, rows: Int32, scale: Float32, tidx: Int32,
-               threads: cutlass.Constexpr[int]):
-    """gOut = scale * sAcc in gOut's dtype over the first ``rows`` rows of a (rows, d) chunk
-    of dQ sums staged in shared memory (the backward main kernel's fused dQ,
-    BwdSm90Config.fused_dq), VEC elements per thread and step over ``threads`` threads."""
-    chunk_rows, d = cute.size(sAcc, mode=[0]), cute.size(sAcc, mode=[1])
-    vecs_per_row = d // VEC
-    rows_per_step = threads // vecs_per_row  # d=96: 5 rows of 12 vectors, 4 threads idle
-    col, first = tidx % vecs_per_row, tidx // vecs_per_row
-    for i in cutlass.range_constexpr(-(-chunk_rows // rows_per_step)):
-        row = first + i * rows_per_step
-        # The last step may pass the chunk (d=96: 5-row steps over 32 rows).
-        in_chunk = chunk_rows % rows_per_step == 0 or row < chunk_rows
-        if row < rows and in_chunk and (threads % vecs_per_row == 0 or first < rows_per_step):
-            acc = cute.make_rmem_tensor((VEC,), Float32)
-            cute.autovec_copy(cute.local_tile(sAcc[row, None], (VEC,), (col,)), acc)
-            out = cute.make_rmem_tensor((VEC,), gOut.element_type)
-            out.store((acc.load() * scale).to(gOut.element_type))
-            cute.autovec_copy(out, cute.local_tile(gOut[row, None], (VEC,), (col,)))

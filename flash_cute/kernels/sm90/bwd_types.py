@@ -14,17 +14,6 @@ WG_THREADS = 128
 NUM_MMA_WG = 2
 DQ_THREADS = NUM_MMA_WG * WG_THREADS + 32   # mma warpgroups + the dQ warp
 DQ_TURN_THREADS = WG_THREADS + 32   # cfg.stagger: the warpgroup with the dQ turn + the dQ warp
-# cfg.fused_dq: warps 2 and 3 of the load warpgroup (0: load, 1: dQ) convert finished dQ
-# blocks; the ring holds a few jobs so a burst of completed blocks never stalls the dQ warp.
-DQ_CONVERT_WARP0 = 2
-DQ_CONVERT_THREADS = 64
-DQ_JOB_SLOTS = 4
-# A finished dQ block is brought into shared memory in this many row chunks (one bulk copy
-# each): half a tile fits beside the d=128 / tile_m 64 kernel's 195 KB, a whole one does not.
-DQ_CONVERT_CHUNKS = 2
-# Non-deterministic: the dQ warp counts a block's adds this many blocks after issuing them,
-# so waiting for them to land never holds up the next hand-off.
-DQ_COUNT_LAG = 2
 
 
 class Barrier(enum.IntEnum):
@@ -40,7 +29,6 @@ class Barrier(enum.IntEnum):
     DS_READY_ODD = 8
     DQ_FULL_ODD = 9
     DQ_EMPTY_ODD = 10
-    DQ_CONVERTED = 11  # cfg.fused_dq: the convert warps are done reading the staged rows
 
 
 def parity_barrier(even: Barrier, odd: Barrier, step: Int32) -> Int32:

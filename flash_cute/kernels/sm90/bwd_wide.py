@@ -334,19 +334,17 @@ class FlashBwdWideSm90(FlashBwdSm90):
             warpgroup.wait_group(0)  # dK done: it reads sdS and sQ (released next)
 
     @cute.jit
-    def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, tiles,
-                  jobs=None):
-        """bwd.py's dQ warp; per turn lane 0's last bulk group is finished here. No fused dQ
-        (``jobs`` is None: BwdSm90Config.fused_dq is narrow-only)."""
+    def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, tiles):
+        """bwd.py's dQ warp; per turn lane 0's last bulk group is finished here."""
         if const_expr(not self.cfg.dq_per_turn):
             FlashBwdSm90.dq_reduce(self, mdQaccum, mSem, sdQ, tiles)
         else:
-            self.dq_tile(mdQaccum, mSem, sdQ, cute.arch.lane_idx(), None, tiles, None)
+            self.dq_tile(mdQaccum, mSem, sdQ, cute.arch.lane_idx(), tiles, None)
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ read (as bwd.py's)
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
-                jobs, tile: KeyTile, carry):
+                tile: KeyTile, carry):
         """bwd.py's dQ hand-off (its docstring: arrive counts, deterministic order), per turn
         with cfg.dq_per_turn: DQ_EMPTY / DQ_FULL once per turn, one of each per turn of every
         block but no EMPTY arrive after the tile's last turn. The turn's columns of a dQaccum
@@ -356,7 +354,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
         for the semaphore before the block's first turn and signals it after the last turn's
         adds have landed."""
         if const_expr(not self.cfg.dq_per_turn):
-            return FlashBwdSm90.dq_tile(self, mdQaccum, mSem, sdQ, lane, jobs, tile, carry)
+            return FlashBwdSm90.dq_tile(self, mdQaccum, mSem, sdQ, lane, tile, carry)
         tm, d, cols = self.tile_m, self.d, self.cfg.sdq_cols
         turns = d // cols
         n_block, head, batch, seq = tile.n_block, tile.head, tile.batch, tile.seq

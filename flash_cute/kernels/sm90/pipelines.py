@@ -43,17 +43,3 @@ def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byte
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
         "l,r,r", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@cute.jit
-def bulk_copy_g2s(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int,
-                  mbar_ptr: cute.Pointer):
-    """smem[i] = gmem[i] over ``num_bytes`` with one TMA bulk copy (no tensor map; 16-byte
-    aligned, size a multiple of 16), completing ``num_bytes`` of transactions on the mbarrier
-    (the issuing thread arrives on it with that expected count first)."""
-    llvm.inline_asm(
-        None, [smem_ptr.toint().ir_value(), gmem_ptr.llvm_ptr, Int32(num_bytes).ir_value(),
-               mbar_ptr.toint().ir_value()],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        "r,l,r,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT)
