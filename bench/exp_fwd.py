@@ -100,6 +100,13 @@ VARIANTS = {
     # scheduler barriers at 3 warpgroups), under the shipped walk.
     "ring": lambda d, causal, s: ({**VARIANTS["persistent_ship"](d, causal, s),
                                    "pingpong": True} if d == 64 else None),
+    # Session 20: 64-key blocks at d = 192 / 256 (80 / 112 shipped): a 128-row causal tile then
+    # crosses exactly two diagonal blocks, with less masked work (d=256 causal 1k: 12% of the
+    # computed scores masked vs 19% at 80 keys); cuDNN led this cell by 16% in session 18.
+    "tn64": lambda d, causal, s: ({**VARIANTS["persistent_ship"](d, causal, s), "tile_n": 64}
+                                  if d in (192, 256) else None),
+    "tn64_s3": lambda d, causal, s: ({**VARIANTS["persistent_ship"](d, causal, s), "tile_n": 64,
+                                      "kv_stages": 3} if d == 192 else None),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),
@@ -123,6 +130,11 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     # ... and cells where no warpgroup is ever idle (the flag's code cost alone).
     "control": [(128, 1024, True), (128, 4096, False), (128, 16384, False), (96, 1024, False),
                 (256, 1024, False), (256, 4096, True)],
+    "short_wide_causal": [(256, 512, True), (256, 1024, True), (256, 1536, True),
+                          (256, 2048, True), (256, 3072, True), (192, 512, True),
+                          (192, 1024, True), (192, 2048, True), (192, 3072, True)],
+    "wide_causal": [(256, 1024, True), (256, 2048, True), (256, 4096, True), (256, 16384, True),
+                    (192, 1024, True), (192, 4096, True), (256, 1024, False)],
     "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),
                (128, 16384, False), (128, 1024, True), (96, 1024, True)],
 }

@@ -133,24 +133,33 @@ def persistent_fwd_overrides(d: int, causal: bool, dynamic: bool = False):
     return {"persistent": True, **({"dynamic": True} if dynamic else {}), **extra}
 
 
-# d=64 causal, short queries: two consumer warpgroups (128 x 128 tiles) instead of three
-# (192 x 128): a 128-row causal tile crosses fewer diagonal key blocks, so less of its work is
-# masked. H200, session 8 (bench/exp_fwd.py --d 64 --shapes long short, persistent_ship vs
-# p2wg): s=1k causal +8%; s=16k causal -14%, s=4k non-causal -16% (three hide more latency).
-NARROW_FWD = {"num_consumer_wg": 2, "skip_empty_wg": False}  # skip: three warpgroups only
-NARROW_FWD_MAX_SEQLEN_Q = 1024  # the longest length measured to gain; 2k-4k unmeasured
+# Short causal calls take a smaller tile where that measured faster: a causal tile crossing the
+# diagonal computes scores it then masks, and a smaller tile crosses fewer of them.
+# d=64: two consumer warpgroups (128 x 128 tiles) instead of three (192 x 128). H200, session 8
+# (bench/exp_fwd.py --d 64 --shapes long short, persistent_ship vs p2wg): s=1k causal +8%;
+# s=16k causal -14%, s=4k non-causal -16% (three hide more latency).
+# d=192 / 256: 64-key blocks instead of 112 / 80, so a 128-row tile meets exactly two diagonal
+# blocks (d=256 s=1k: 12% of the computed scores masked instead of 19%). H200, session 20
+# (bench/exp_fwd.py --shapes short_wide_causal --variants persistent_ship tn64, TFLOP/s):
+# d=256 s=512 315 / 333, 1k 482 / 496, 1.5k 543 / 556, 2k 600 / 608, 3k 666 / 627; d=192
+# 512 289 / 326, 1k 448 / 476, 2k 567 / 568, 3k 601 / 587 (a third K/V stage, which 64-key
+# blocks leave room for at d=192, did not help: 328, 470, 565, 586).
+NARROW_FWD = {64: {"num_consumer_wg": 2, "skip_empty_wg": False},  # skip: three warpgroups only
+              192: {"tile_n": 64}, 256: {"tile_n": 64}}
+# The longest query length measured to gain (d=64: 2k-4k unmeasured; d=192: 1.5k unmeasured).
+NARROW_FWD_MAX_SEQLEN_Q = {64: 1024, 192: 1024, 256: 2048}
 
 
 def narrow_fwd(d: int, causal: bool, seqlen_q: int) -> bool:
-    """Whether a batched forward call takes NARROW_FWD (chosen per call; compiled once)."""
-    return d == 64 and causal and seqlen_q <= NARROW_FWD_MAX_SEQLEN_Q
+    """Whether a batched forward call takes NARROW_FWD[d] (chosen per call; compiled once)."""
+    return causal and d in NARROW_FWD and seqlen_q <= NARROW_FWD_MAX_SEQLEN_Q[d]
 
 
 @functools.lru_cache(maxsize=None)  # asked for on every call
 def fwd_tile_m(d: int, narrow: bool) -> int:
     """Query rows per tile of a batched forward call (the persistent overrides keep it)."""
     cfg = FwdSm90Config.for_head_dim(d)
-    return dataclasses.replace(cfg, **NARROW_FWD).tile_m if narrow else cfg.tile_m
+    return dataclasses.replace(cfg, **NARROW_FWD[d]).tile_m if narrow else cfg.tile_m
 
 
 def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool = False,
@@ -159,7 +168,7 @@ def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool 
     applies to the persistent kernel only."""
     base = persistent_fwd_overrides(d, causal, dynamic) if persistent else {}
     return {**base, **(OWN_O if own_o and persistent else {}),
-            **(NARROW_FWD if narrow else {})}
+            **(NARROW_FWD[d] if narrow else {})}
 
 
 # Varlen calls walk tiles (persistent_fwd_order) whatever their lengths, so a training loop's

@@ -145,7 +145,8 @@ def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: boo
                    persistent: bool = False, dynamic: bool = False, narrow: bool = False,
                    own_o: bool = False):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
-    config.NARROW_FWD (d=64 causal, short queries); own_o: config.OWN_O (persistent only)."""
+    config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
+    own_o: config.OWN_O (persistent only)."""
     own_o = own_o and persistent
     key = (("fwd", arch, dtype_name, d, causal, varlen) + (("persistent",) if persistent else ())
            + (("dynamic",) if dynamic else ()) + (("narrow",) if narrow else ())

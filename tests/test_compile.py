@@ -21,11 +21,15 @@ def _arch():
 
 
 # Configurations kept compiling (and spill-free) for experiments, beside the shipped variants;
-# the first rows are shipped too: d=64 causal short calls (config.narrow_fwd), one tile per CTA
+# the first rows are shipped too: short causal calls (config.narrow_fwd), one tile per CTA
 # and under both persistent walks.
 EXPERIMENTS = ([("BFloat16", 64, True, fwd_overrides(64, True, p, dyn, narrow=True))
                 for p, dyn in ((False, False), (True, False), (True, True))]
                + [("Float16", 64, True, fwd_overrides(64, True, True, True, narrow=True))]
+               # Session 20: 64-key blocks for short causal calls at d = 192 / 256, one tile
+               # per CTA and the dynamic walk they ship with past one wave.
+               + [(dt, d, True, fwd_overrides(d, True, p, p, narrow=True))
+                  for d in (192, 256) for dt in ("BFloat16", "Float16") for p in (False, True)]
                + [("BFloat16", 64, c, {"num_consumer_wg": 3, "tile_n": 64}) for c in (False, True)]
                + [("BFloat16", 64, c, {"num_consumer_wg": 3, "packed_p_cvt": True})
                   for c in (False, True)]

@@ -104,17 +104,21 @@ def test_persistent_forward_heuristic():
 
 
 def test_narrow_forward_choice():
-    """d=64 causal calls with at most NARROW_FWD_MAX_SEQLEN_Q queries take two consumer
-    warpgroups (128-row tiles); every other call keeps its head dim's tile."""
+    """Causal calls with at most NARROW_FWD_MAX_SEQLEN_Q[d] queries take NARROW_FWD[d]: d=64 two
+    consumer warpgroups (128-row tiles), d=192 / 256 64-key blocks; every other call keeps its
+    head dim's tile."""
     from flash_cute.config import (NARROW_FWD_MAX_SEQLEN_Q, fwd_overrides, fwd_tile_m,
                                    narrow_fwd)
-    n = NARROW_FWD_MAX_SEQLEN_Q
-    assert narrow_fwd(64, True, 1) and narrow_fwd(64, True, n)
-    assert not narrow_fwd(64, True, n + 1) and not narrow_fwd(64, False, 512)
-    assert not narrow_fwd(128, True, 512)
+    for d, n in NARROW_FWD_MAX_SEQLEN_Q.items():
+        assert narrow_fwd(d, True, 1) and narrow_fwd(d, True, n)
+        assert not narrow_fwd(d, True, n + 1) and not narrow_fwd(d, False, 512)
+    assert not narrow_fwd(128, True, 512) and not narrow_fwd(96, True, 512)
     assert (fwd_tile_m(64, True), fwd_tile_m(64, False), fwd_tile_m(128, False)) == (128, 192, 128)
+    assert fwd_tile_m(256, True) == fwd_tile_m(256, False) == 128
     assert fwd_overrides(64, True, persistent=True, dynamic=True, narrow=True) == {
         "persistent": True, "dynamic": True, "num_consumer_wg": 2, "skip_empty_wg": False}
+    assert fwd_overrides(256, True, narrow=True) == {"tile_n": 64}
+    assert fwd_overrides(192, True, persistent=True, dynamic=True, narrow=True)["tile_n"] == 64
     assert fwd_overrides(64, True) == {}
 
 

@@ -106,10 +106,17 @@ class FlashBwdPreSm90:
                 padded.append(cute.domain_offset((0, seq.offset_q_pad, 0), mdQaccum))
                 end = cutlass.min((block + 1) * self.tile_m,
                                   cute.round_up(seq.seqlen_q, self.tile_m))
-                for p in cutlass.range_constexpr(-(-self.tile_m // ROWS_PER_CTA)):
-                    self.row(*packed, *padded, (), head,
-                             block * self.tile_m + p * ROWS_PER_CTA + lane_row,
-                             seq.seqlen_q, end, tidx % THREADS_PER_ROW)
+                # Every pass's O / dO loads first, then the stores: a pass's stores would
+                # otherwise order the next pass's loads behind them (possible aliasing), two
+                # DRAM round trips per CTA in a row.
+                rows = [block * self.tile_m + p * ROWS_PER_CTA + lane_row
+                        for p in range(-(-self.tile_m // ROWS_PER_CTA))]
+                loaded = [self.row_load(*packed, (), head, r, seq.seqlen_q,
+                                        tidx % THREADS_PER_ROW) for r in rows]
+                pdl.launch_dependents(self.pdl)  # O, dO read: the main kernel may start
+                for r, (dot, lse_log2) in zip(rows, loaded):
+                    self.row_store(*padded, (), head, r, end, tidx % THREADS_PER_ROW, dot,
+                                   lse_log2)
         else:
             row_block, head, batch = cute.arch.block_idx()
             self.row(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, (batch,), head,
@@ -121,8 +128,17 @@ class FlashBwdPreSm90:
             mD: cute.Tensor, mdQaccum: cute.Tensor, batch_crd, head: Int32, row: Int32,
             seqlen_q: Int32, end: Int32, part: Int32):
         """Lane ``part`` of one row: reads below seqlen_q, writes below ``end`` (the padded
-        length, or this CTA's share of it). Every lane of a quad takes part in the shuffles."""
-        dot = Float32(0.0)
+        length, or this CTA's share of it)."""
+        dot, lse_log2 = self.row_load(mO, mdO, mLSE, batch_crd, head, row, seqlen_q, part)
+        pdl.launch_dependents(self.pdl)  # O, dO read: the main kernel's prologue may start
+        self.row_store(mLSElog2, mD, mdQaccum, batch_crd, head, row, end, part, dot, lse_log2)
+
+    @cute.jit
+    def row_load(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, batch_crd,
+                 head: Int32, row: Int32, seqlen_q: Int32, part: Int32):
+        """Lane ``part``'s share of rowsum(dO * O), not yet reduced, and the row's LSE_log2:
+        0 and +inf past seqlen_q (padding: P = 0), +inf for a fully masked row (LSE -inf)."""
+        dot, lse_log2 = Float32(0.0), Float32.inf
         if row < seqlen_q:
             gO = self.lane_part(mO[(*batch_crd, row, head, None)], part)
             gdO = self.lane_part(mdO[(*batch_crd, row, head, None)], part)
@@ -130,18 +146,22 @@ class FlashBwdPreSm90:
             rdO = cute.make_rmem_tensor_like(gdO)
             cute.autovec_copy(gO, rO)
             cute.autovec_copy(gdO, rdO)
+            lse = mLSE[(*batch_crd, head, row)]
+            if lse != -Float32.inf:
+                lse_log2 = lse * Float32(LOG2E)
             prod = rO.load().to(Float32) * rdO.load().to(Float32)
             dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        pdl.launch_dependents(self.pdl)  # O, dO read: the main kernel's prologue may start
-        dot = cute.arch.warp_reduction_sum(dot, threads_in_group=THREADS_PER_ROW)
+        return dot, lse_log2
 
+    @cute.jit
+    def row_store(self, mLSElog2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
+                  batch_crd, head: Int32, row: Int32, end: Int32, part: Int32, dot: Float32,
+                  lse_log2: Float32):
+        """The row's quad reduces ``dot`` (every lane takes part in the shuffles); below
+        ``end`` lane 0 writes D and LSE_log2, and every lane zeroes its share of dQaccum."""
+        dot = cute.arch.warp_reduction_sum(dot, threads_in_group=THREADS_PER_ROW)
         if row < end:
             if part == 0:
-                lse_log2 = Float32.inf  # padding row: P = 0
-                if row < seqlen_q:
-                    lse = mLSE[(*batch_crd, head, row)]
-                    if lse != -Float32.inf:
-                        lse_log2 = lse * Float32(LOG2E)
                 mLSElog2[(*batch_crd, head, row)] = lse_log2
                 mD[(*batch_crd, head, row)] = dot
             gdQ = self.lane_part(mdQaccum[(*batch_crd, head, row, None)], part)

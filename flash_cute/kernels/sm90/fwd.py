@@ -95,6 +95,7 @@ slots: 40 bytes) sit below sQ's 1 KB alignment.
     persistent with own_o: d=64 + 24K = 112 KB, d=128 + 32K = 192 KB (the 176-key block would
     need 240 KB); d=64 short causal (config.narrow_fwd, tile_m 128): 16K + 32K + 32K (+ 16K)
     d=192 (tile_n 112): 48K + 84K + 84K = 216 KB      d=256 (tile_n 80): 64K + 80K + 80K = 224 KB
+    short causal d=192 / 256 (config.narrow_fwd, tile_n 64): 48K / 64K + 2 x (24K / 32K) x 2
 """
 import enum
 from functools import partial
