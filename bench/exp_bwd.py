@@ -90,9 +90,6 @@ VARIANTS = {
     "wide_early_do": {"stages": 1, "do_stages": 1, "dq_per_turn": False},
     "wide_turns": {"stages": 1, "do_stages": 0, "dq_per_turn": True},
     "pdl": {"pdl": True},
-    # bwd_post's dQ pass per query block as soon as its key blocks have counted, on the SMs
-    # the main kernel's last wave leaves idle (BwdSm90Config.early_post, session 20).
-    "early_post": {"pdl": True, "early_post": True},
     "pdl_deterministic": {"pdl": True, "deterministic": True},
     "pdl_persistent": {"pdl": True, "persistent": True, "stagger": False},
     "v_with_do": {"v_with_do": True},  # K, Q, V, dO: the first S^T waits for K and Q only

@@ -333,28 +333,6 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
                           (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
-def _compile_post_early(arch, dtype_name, d, tile_m, tile_n, causal, dq_swizzle=False,
-                        keep_cubin=False):
-    """bwd_post's early dQ kernel (BwdSm90Config.early_post): the main kernel's tile_m /
-    tile_n and causality decide which key blocks a query block waits for."""
-    import cutlass
-    import cutlass.cute as cute
-
-    from .kernels.sm90.bwd_post import FlashBwdPostEarlySm90
-
-    _check_arch(arch)
-    dt = getattr(cutlass, dtype_name)
-    acc = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int(), d),
-        tuple(cute.sym_int64(divisibility=4) for _ in range(3)) + (1,), assumed_align=16)
-    counts = cute.runtime.make_fake_compact_tensor(
-        cutlass.Int32, (cute.sym_int(), cute.sym_int(), cute.sym_int()), stride_order=(2, 1, 0),
-        assumed_align=4)
-    out = _fake_qkv(dt, d, cute.sym_int(), cute.sym_int(), cute.sym_int())
-    return compile_kernel(FlashBwdPostEarlySm90(dt, d, tile_m, tile_n, causal, dq_swizzle),
-                          (acc, out, counts, cutlass.Float32(1.0), cutlass.Int32(1)), keep_cubin)
-
-
 def _get(key, build):
     with _cache_lock:
         if key not in _cache:
@@ -450,9 +428,6 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     overrides = {**env_overrides(), **(cfg_overrides or {})}  # bwd_config's, parsed once
     cfg = _config(d, tuple(overrides.items()))
     tm, pdl = cfg.tile_m, cfg.pdl
-    if cfg.early_post and (varlen or deterministic):
-        raise NotImplementedError("BwdSm90Config.early_post: batched, non-deterministic calls "
-                                  "only")
     extra = tuple(sorted(overrides.items()))
     pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl),
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl))
@@ -464,11 +439,6 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, False),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
     sw = cfg.dq_swizzle
-    if cfg.early_post:
-        post_dq = _get(("bwd_post_early", arch, dtype_name, d, tm, cfg.tile_n, causal, sw),
-                       lambda: _compile_post_early(arch, dtype_name, d, tm, cfg.tile_n, causal,
-                                                   sw))
-        return pre, main, post_dq, post
     post_dq = post if not (varlen or sw) else _get(
         ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw),
         lambda: _compile_post(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
@@ -589,9 +559,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           device=q.device)
         global last_timeline
         last_timeline = sem.view(-1, len(BWD_TIMELINE))  # tile (= blockIdx.x) x slot
-    else:  # early_post: the counters bwd_post's early dQ pass waits on, zeroed
-        sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic or cfg.early_post,
-                          q.device)
+    else:
+        sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic, q.device)
     if gqa:
         dk_out = torch.empty((b, sk, h, d), **f32)
         dv_out = torch.empty((b, sk, h, d), **f32)
@@ -602,10 +571,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
          *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal))
-    if cfg.early_post:
-        post_dq(dq_accum, dq, sem, softmax_scale, sk)
-    else:
-        post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
+    post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
         post(dv_out, dv, 1.0, *NO_VARLEN_Q)

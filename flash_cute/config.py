@@ -368,12 +368,6 @@ class BwdSm90Config:
     # outputs, hiding the launch gaps and the main kernel's prologue. Off: correct on the
     # H200 but -1..-3% at s <= 1k (bench/exp_bwd.py --short default pdl).
     pdl: bool = False
-    # bwd_post's dQ pass overlaps the main kernel's tail (kernels/sm90/bwd_post.py, "early"):
-    # the dQ warp, at a tile's end, waits for its bulk adds to land and counts the tile on
-    # each query block's counter (one release fence per tile); bwd_post, launched as a PDL
-    # dependent that the main kernel triggers at once, takes a CTA per query block that waits
-    # for the block's count and converts it, on SMs the last wave leaves idle. Needs pdl.
-    early_post: bool = False
     # dK / dV leave through shared memory (docs/bwd_vs_fa4.md P3): converted to the input
     # dtype and staged in sK / sV (free once the tile's last wgmma has read them), then one
     # TMA store each (varlen: predicated 16-byte row stores, since a TMA box would write the
@@ -544,9 +538,6 @@ class BwdSm90Config:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
         if self.v_with_do and self.wide:
             raise ValueError("v_with_do: the narrow kernel (d 64/96/128) only")
-        if self.early_post and (not self.pdl or self.wide or self.persistent or self.timeline):
-            raise ValueError("early_post: the narrow one-tile-per-CTA kernel with pdl only "
-                             "(not timeline: its stamps use the counters' buffer)")
         if self.timeline and (self.wide or self.persistent):
             raise ValueError("timeline: the narrow one-tile-per-CTA kernel only")
 

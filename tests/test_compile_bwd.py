@@ -186,38 +186,6 @@ def test_bwd_pre_post_compile(kernel, dtype, d, varlen, tmp_path, monkeypatch):
     assert ops.get("LDG", 0) > 0 and ops.get("STG", 0) > 0
 
 
-@pytest.mark.parametrize("d,causal,tile", [(64, False, {}), (96, True, {}), (128, True, {}),
-                                           (128, False, {"tile_m": 80, "dq_split": "talt"})])
-def test_early_post_compiles(d, causal, tile, tmp_path, monkeypatch):
-    """BwdSm90Config.early_post: the dQ warp counts each tile once (one GPU-scope fence, a
-    relaxed RED per query block), the main kernel triggers its dependents at once, and the
-    early bwd_post (a CTA per query block) compiles spill-free."""
-    monkeypatch.chdir(tmp_path)
-    cfg = {"pdl": True, "early_post": True, **tile}
-    ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, **cfg), tmp_path)
-    check_main_sass(ops)
-    assert ops.get("REDG", 0) >= 1, ops  # the counts (relaxed: the fence before them)
-    tm = tile.get("tile_m", 64)
-    post = backward._compile_post_early(ARCH, "BFloat16", d, tm, 128, causal,
-                                        dq_swizzle=tm == 80, keep_cubin=True)
-    ops = sass_opcodes(post.__cubin__, tmp_path)
-    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
-    assert ops.get("LDG", 0) > 0 and ops.get("STG", 0) > 0
-
-
-def test_early_post_refuses():
-    """early_post needs pdl, the narrow one-tile-per-CTA kernel, batched non-deterministic
-    calls."""
-    with pytest.raises(ValueError, match="early_post"):
-        BwdSm90Config(head_dim=128, early_post=True)
-    with pytest.raises(ValueError, match="early_post"):
-        dataclasses.replace(BwdSm90Config.for_head_dim(256), pdl=True, early_post=True)
-    for kw in ({"deterministic": True}, {"varlen": True}):
-        with pytest.raises(NotImplementedError, match="early_post"):
-            backward.get_bwd_kernels(ARCH, "BFloat16", 128, True, False,
-                                     cfg_overrides={"pdl": True, "early_post": True}, **kw)
-
-
 def check_ptxas(ptx_text, tmp_path, spill_free=True):
     """ptxas itself: no C7512 / C7514 (wgmma serialized) and, unless told otherwise, no spills.
     Returns ptxas's report."""

@@ -393,8 +393,6 @@ class FlashBwdSm90(DqWarp):
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(LOAD_REGS)
                 if warp_idx == 0:
-                    if const_expr(self.cfg.early_post):  # bwd_post's CTAs may take freed SMs
-                        pdl.launch_dependents(True)
                     ops = LoadOperands(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
                                        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d)
                     self.load(ops, pipe_kv, pipe_q, pipe_do, tiles,

@@ -89,18 +89,6 @@ class DqWarp:
                     cute.arch.barrier_arrive(
                         barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_block + 1),
                         number_of_threads=threads)
-        if const_expr(self.cfg.early_post):
-            if lane == 0 and m_begin < m_end:
-                # The tile's adds have landed; one release fence, then every query block it
-                # added into counts it (bwd_post's early mode converts a block once all of
-                # its key blocks have counted).
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_proxy("async.global")
-                cute.arch.fence_acq_rel_gpu()
-                for m_block in cutlass.range(m_begin, m_end, unroll=1):
-                    cute.arch.red(mSem.iterator + cute.crd2idx((m_block, head, batch),
-                                                               mSem.layout),
-                                  Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")
         return carry
 
     def hand_off_barrier(self, even: Barrier, odd: Barrier, m_block: Int32):

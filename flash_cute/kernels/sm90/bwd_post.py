@@ -35,7 +35,7 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 
 from ..common import scheduler
 from ..common.seqlen import SeqlenInfo
@@ -148,81 +148,3 @@ class FlashBwdPostSm90:
     def src_col(self, col, row):
         """The accumulator's vector index holding output vector ``col`` of ``row``."""
         return col ^ ((row >> 1) & 3) if const_expr(self.dq_swizzle) else col
-
-
-class FlashBwdPostEarlySm90:
-    """dQ = scale * dQaccum per query block as soon as the block is complete, overlapping the
-    main kernel's tail (BwdSm90Config.early_post; batched, non-deterministic).
-
-    Launched as a PDL dependent of the main kernel, which triggers at its start, so these
-    CTAs start once every main CTA has, and take the SMs its last wave leaves idle. A CTA per
-    (query block, head, batch) in the main kernel's tile order (blocks, then heads, then
-    batches): thread 0 waits until the block's counter (mCount, zeroed; the dQ warp adds 1 per
-    key block once that block's adds have landed, after a release fence) reaches the number
-    of key blocks that add into it, then the CTA converts the block. A block no key block
-    reaches (causal, seqlen_q > seqlen_k) is written as 0 without reading dQaccum. The last
-    thing each CTA does is griddepcontrol.wait, so this kernel completes after the main kernel
-    (what follows on the stream, e.g. the GQA dK / dV sums, may rely on both).
-    """
-
-    def __init__(self, dtype, head_dim: int, tile_m: int, tile_n: int, causal: bool,
-                 dq_swizzle: bool = False):
-        if head_dim % VEC != 0:
-            raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
-        self.dtype = dtype
-        self.d = head_dim
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.causal = causal
-        self.dq_swizzle = dq_swizzle  # as FlashBwdPostSm90's
-
-    @cute.jit
-    def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, mCount: cute.Tensor,
-                 scale: Float32, seqlen_k: Int32, stream: cuda.CUstream):
-        """mAcc (b, h, sq_pad, d) fp32 (d contiguous); mOut (b, sq, h, d); mCount (b, h,
-        sq_pad / tile_m) int32."""
-        grid = [mCount.shape[2], mCount.shape[1], mCount.shape[0]]
-        self.kernel(mAcc, mOut, mCount, scale, seqlen_k).launch(
-            grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=True)
-
-    @cute.kernel
-    def kernel(self, mAcc: cute.Tensor, mOut: cute.Tensor, mCount: cute.Tensor,
-               scale: Float32, seqlen_k: Int32):
-        tidx = cute.arch.thread_idx()[0]
-        m_block, head, batch = cute.arch.block_idx()
-        tm, vecs_per_row = self.tile_m, self.d // VEC
-        seqlen_q = mOut.shape[1]
-        # Key blocks adding into this query block: n_block_max without its clamp to 1.
-        adds = (seqlen_k + self.tile_n - 1) // self.tile_n
-        if const_expr(self.causal):
-            last_col = (m_block + 1) * tm + seqlen_k - seqlen_q
-            adds = cutlass.min(adds, cutlass.max(last_col + self.tile_n - 1, 0) // self.tile_n)
-        if tidx == 0:
-            count = mCount.iterator + cute.crd2idx((batch, head, m_block), mCount.layout)
-            while cute.arch.load(count, Int32, sem="acquire", scope="gpu") < adds:
-                pass
-        cute.arch.barrier()  # thread 0's acquire orders everyone's reads below
-        # Every load first, then the stores (a store would order the next load behind it).
-        steps = -(-tm * vecs_per_row // THREADS)
-        vals = []
-        for i in cutlass.range_constexpr(steps):
-            v = i * THREADS + tidx
-            pos = m_block * tm + v // vecs_per_row
-            acc = cute.make_rmem_tensor((VEC,), Float32)
-            acc.fill(0.0)
-            if v < tm * vecs_per_row and pos < seqlen_q and adds > 0:
-                col = v % vecs_per_row
-                if const_expr(self.dq_swizzle):
-                    col = col ^ ((pos >> 1) & 3)
-                cute.autovec_copy(cute.local_tile(mAcc[batch, head, pos, None], (VEC,), (col,)),
-                                  acc)
-            vals.append(acc)
-        for i in cutlass.range_constexpr(steps):
-            v = i * THREADS + tidx
-            pos = m_block * tm + v // vecs_per_row
-            if v < tm * vecs_per_row and pos < seqlen_q:
-                out = cute.make_rmem_tensor((VEC,), self.dtype)
-                out.store((vals[i].load() * scale).to(self.dtype))
-                cute.autovec_copy(out, cute.local_tile(mOut[batch, pos, head, None], (VEC,),
-                                                       (v % vecs_per_row,)))
-        pdl.wait_prior(True)  # complete only after the main kernel (docstring)
