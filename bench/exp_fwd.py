@@ -105,11 +105,6 @@ VARIANTS = {
     # computed scores masked vs 19% at 80 keys); cuDNN led this cell by 16% in session 18.
     "tn64": lambda d, causal, s: ({**VARIANTS["persistent_ship"](d, causal, s), "tile_n": 64}
                                   if d in (192, 256) else None),
-    # Session 20: of every 8 scores of a thread's row in unmasked blocks, this many take exp2
-    # from an FMA polynomial instead of MUFU (FwdSm90Config.exp2_emu).
-    "emu1": lambda d, causal, s: {**VARIANTS["persistent_ship"](d, causal, s), "exp2_emu": 1},
-    "emu2": lambda d, causal, s: {**VARIANTS["persistent_ship"](d, causal, s), "exp2_emu": 2},
-    "emu3": lambda d, causal, s: {**VARIANTS["persistent_ship"](d, causal, s), "exp2_emu": 3},
     "tn64_s3": lambda d, causal, s: ({**VARIANTS["persistent_ship"](d, causal, s), "tile_n": 64,
                                       "kv_stages": 3} if d == 192 else None),
 }
@@ -138,8 +133,6 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "short_wide_causal": [(256, 512, True), (256, 1024, True), (256, 1536, True),
                           (256, 2048, True), (256, 3072, True), (192, 512, True),
                           (192, 1024, True), (192, 2048, True), (192, 3072, True)],
-    "emu": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (64, 4096, True),
-            (64, 16384, True), (128, 16384, False), (128, 16384, True), (256, 16384, False)],
     "wide_causal": [(256, 1024, True), (256, 2048, True), (256, 4096, True), (256, 16384, True),
                     (192, 1024, True), (192, 4096, True), (256, 1024, False)],
     "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),

@@ -55,10 +55,6 @@ class FwdSm90Config:
     # warpgroups, where the grid's lengths leave none idle, its branch cost 1-3.5% (d=96 /
     # 128), so it ships for the three-warpgroup tile only.
     skip_empty_wg: bool = False
-    # Of every 8 scores a thread holds in a row of an unmasked block, this many get their
-    # exp2 from an FMA-pipe polynomial (common/softmax.py exp2_poly) instead of MUFU.EX2
-    # (16 per clock and SM: at d=64 a block's 24576 exp2 take as many clocks as its GEMMs).
-    exp2_emu: int = 0
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg not in (2, 3):
@@ -67,8 +63,6 @@ class FwdSm90Config:
             raise ValueError("dynamic is a persistent tile order: set persistent=True too")
         if self.own_o and not self.persistent:
             raise ValueError("own_o: persistent only (one tile per CTA never reloads Q)")
-        if not 0 <= self.exp2_emu <= 8:
-            raise ValueError(f"exp2_emu counts elements of 8, got {self.exp2_emu}")
         if self.early_rescale and self.pingpong:
             raise ValueError("early_rescale would run inside the ping-pong GEMM turn")
 

@@ -574,8 +574,7 @@ class FlashFwdSm90:
         pipe_k.consumer_release(kv)
         if const_expr(mask is not None):
             mask(n_block)
-        row_scale = softmax.step(tSrS, is_first=False,
-                                 emu=self.cfg.exp2_emu if const_expr(mask is None) else 0)
+        row_scale = softmax.step(tSrS, is_first=False)
         warpgroup.wait_group(0)  # P is about to be overwritten
         pipe_v.consumer_release(kv_prev)
         self.convert_p(tOrP, tSrS)
