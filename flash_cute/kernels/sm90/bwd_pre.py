@@ -106,32 +106,29 @@ class FlashBwdPreSm90:
                 padded.append(cute.domain_offset((0, seq.offset_q_pad, 0), mdQaccum))
                 end = cutlass.min((block + 1) * self.tile_m,
                                   cute.round_up(seq.seqlen_q, self.tile_m))
-                # Every pass's O / dO loads first, then the stores: a pass's stores would
-                # otherwise order the next pass's loads behind them (possible aliasing), two
-                # DRAM round trips per CTA in a row.
-                rows = [block * self.tile_m + p * ROWS_PER_CTA + lane_row
-                        for p in range(-(-self.tile_m // ROWS_PER_CTA))]
-                loaded = [self.row_load(*packed, (), head, r, seq.seqlen_q,
-                                        tidx % THREADS_PER_ROW) for r in rows]
-                pdl.launch_dependents(self.pdl)  # O, dO read: the main kernel may start
-                for r, (dot, lse_log2) in zip(rows, loaded):
-                    self.row_store(*padded, (), head, r, end, tidx % THREADS_PER_ROW, dot,
-                                   lse_log2)
+                self.rows(*packed, *padded, (), head,
+                          [block * self.tile_m + p * ROWS_PER_CTA + lane_row
+                           for p in range(-(-self.tile_m // ROWS_PER_CTA))],
+                          seq.seqlen_q, end, tidx % THREADS_PER_ROW)
         else:
             row_block, head, batch = cute.arch.block_idx()
-            self.row(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, (batch,), head,
-                     row_block * ROWS_PER_CTA + lane_row, mO.shape[1], mLSElog2.shape[2],
-                     tidx % THREADS_PER_ROW)
+            self.rows(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, (batch,), head,
+                      [row_block * ROWS_PER_CTA + lane_row], mO.shape[1], mLSElog2.shape[2],
+                      tidx % THREADS_PER_ROW)
 
     @cute.jit
-    def row(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSElog2: cute.Tensor,
-            mD: cute.Tensor, mdQaccum: cute.Tensor, batch_crd, head: Int32, row: Int32,
-            seqlen_q: Int32, end: Int32, part: Int32):
-        """Lane ``part`` of one row: reads below seqlen_q, writes below ``end`` (the padded
-        length, or this CTA's share of it)."""
-        dot, lse_log2 = self.row_load(mO, mdO, mLSE, batch_crd, head, row, seqlen_q, part)
+    def rows(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSElog2: cute.Tensor,
+             mD: cute.Tensor, mdQaccum: cute.Tensor, batch_crd, head: Int32, rows: list,
+             seqlen_q: Int32, end: Int32, part: Int32):
+        """Lane ``part`` of each row in ``rows`` (one per 32-row pass): reads below seqlen_q,
+        writes below ``end`` (the padded length, or this CTA's share of it). Every pass's
+        loads go out before any store: a store would order the next pass's loads behind it
+        (possible aliasing), one DRAM round trip after another."""
+        loaded = [self.row_load(mO, mdO, mLSE, batch_crd, head, r, seqlen_q, part)
+                  for r in rows]
         pdl.launch_dependents(self.pdl)  # O, dO read: the main kernel's prologue may start
-        self.row_store(mLSElog2, mD, mdQaccum, batch_crd, head, row, end, part, dot, lse_log2)
+        for r, (dot, lse_log2) in zip(rows, loaded):
+            self.row_store(mLSElog2, mD, mdQaccum, batch_crd, head, r, end, part, dot, lse_log2)
 
     @cute.jit
     def row_load(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, batch_crd,
