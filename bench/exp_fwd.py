@@ -17,7 +17,7 @@ import torch
 from check_fwd import timeit
 from flash_cute import dispatch
 from flash_cute.config import (OWN_O, OWN_O_HEAD_DIMS, FwdSm90Config, fwd_overrides, fwd_own_o,
-                               l2_sections, persistent_fwd_overrides)
+                               l2_sections, narrow_fwd, persistent_fwd_overrides)
 from flash_cute.reference import attention_ref, check_close
 
 VARIANTS = {
@@ -107,6 +107,14 @@ VARIANTS = {
                                   if d in (192, 256) else None),
     "tn64_s3": lambda d, causal, s: ({**VARIANTS["persistent_ship"](d, causal, s), "tile_n": 64,
                                       "kv_stages": 3} if d == 192 else None),
+    # Session 21: the forward the dispatcher ships for the shape at 16k tokens (persistent past
+    # one wave, narrow short causal tiles), and the same with cfg.lazy_rescale (O rescaled only
+    # when a row's max moves by more than softmax.RESCALE_SLACK_LOG2).
+    "ship": lambda d, causal, s: fwd_overrides(d, causal, True, causal,
+                                               narrow=narrow_fwd(d, causal, s),
+                                               own_o=fwd_own_o(d, causal, s)),
+    "ship_lazy": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "lazy_rescale": True},
+    "ship_eager": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "lazy_rescale": False},
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),
@@ -135,6 +143,14 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
                           (192, 1024, True), (192, 2048, True), (192, 3072, True)],
     "wide_causal": [(256, 1024, True), (256, 2048, True), (256, 4096, True), (256, 16384, True),
                     (192, 1024, True), (192, 4096, True), (256, 1024, False)],
+    # Session 21 (lazy rescale): the grid's cells below the best peer and the long ones.
+    "lazy": [(64, 4096, False), (64, 16384, False), (64, 1024, True), (64, 16384, True),
+             (128, 1024, False), (128, 16384, False), (128, 16384, True), (256, 1024, True),
+             (256, 16384, False), (256, 16384, True)],
+    "lazy2": [(64, 1024, False), (64, 4096, True), (96, 4096, False), (96, 16384, True),
+              (128, 1024, True), (128, 4096, True), (128, 4096, False), (192, 4096, False),
+              (192, 4096, True), (192, 1024, True), (256, 1024, False), (256, 4096, False),
+              (256, 4096, True)],
     "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),
                (128, 16384, False), (128, 1024, True), (96, 1024, True)],
 }
@@ -189,6 +205,11 @@ for d, s, causal in [shape for name in args.shapes for shape in SHAPES[name]
         low, _ = attention_ref(qs, ks, vs, causal=causal, upcast=False)
         # Persistent: checked with a few CTAs (7: uneven rounds), so each walks many tiles.
         check_close(run(comp, qs, ks, vs, tile_m, section, ctas and CHECK_CTAS, dyn, causal),
+                    ref, low)
+        # Scores scaled up, so row maxima keep moving between key blocks (the O rescale).
+        ref, _ = attention_ref(qs * 4, ks, vs, causal=causal)
+        low, _ = attention_ref(qs * 4, ks, vs, causal=causal, upcast=False)
+        check_close(run(comp, qs * 4, ks, vs, tile_m, section, ctas and CHECK_CTAS, dyn, causal),
                     ref, low)
         fns[name] = (lambda comp=comp, tm=tile_m, section=section, ctas=ctas, dyn=dyn:
                      run(comp, q, k, v, tm, section, ctas, dyn, causal))

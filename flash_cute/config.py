@@ -55,6 +55,11 @@ class FwdSm90Config:
     # warpgroups, where the grid's lengths leave none idle, its branch cost 1-3.5% (d=96 /
     # 128), so it ships for the three-warpgroup tile only.
     skip_empty_wg: bool = False
+    # A row's running max moves only when a block's max passes it by more than
+    # softmax.RESCALE_SLACK_LOG2, and a warp whose rows all kept theirs skips O's rescale (d/2
+    # FMULs per row pair and block) behind one vote. Long rows of random scores then rescale
+    # O in their first blocks only.
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg not in (2, 3):
@@ -76,10 +81,10 @@ class FwdSm90Config:
         # Shared memory is Q (tile_m*d) + stages * 2 * (tile_n*d) 2-byte elements, <= 227 KB;
         # larger d forces a narrower key block.
         tile_n = {64: 128, 96: 128, 128: 128, 192: 112, 256: 80}[d]
-        if d == 64:
+        if d == 64:  # lazy_rescale: causal only (LAZY below); d=96 none
             return FwdSm90Config(head_dim=d, tile_n=tile_n, num_consumer_wg=3, packed_p_cvt=True,
                                  skip_empty_wg=True)
-        return FwdSm90Config(head_dim=d, tile_n=tile_n)
+        return FwdSm90Config(head_dim=d, tile_n=tile_n, lazy_rescale=d >= 128)
 
 
 # Persistent forward: the config overrides per (head dim, causal) under which it compiles clean
@@ -99,7 +104,20 @@ PACKED = {"packed_p_cvt": True}
 # causal kernels spill a word with early alone, none with packed P); d=192 causal 4k 639 / 632
 # / 657, non-causal 746 / 704 / 689 (keeps the late rescale).
 EARLY_RESCALE = {"early_rescale": True}
-PERSISTENT_FWD = {(64, False): {}, (64, True): {}, (96, False): {}, (96, True): {},
+# Session 21 (bench/exp_fwd.py --shapes lazy --variants ship ship_lazy, H200, three runs,
+# TFLOP/s eager / lazy): d=64 causal 1k (narrow tile) 326 / 337, 16k 506 / 511; d=128 non-causal
+# 1k 625 / 630, 16k 656 / 661, causal 16k 629 / 632; d=256 causal 1k 494 / 506, 16k within
+# +-1%; but d=64 non-causal 4k 490 / 471, 16k 534 / 513. Then (--shapes lazy2 --variants
+# ship_eager ship_lazy): d=64 causal 4k 451 / 465, non-causal 1k 441 / 440; d=128 causal 1k 479
+# / 486, 4k 584 / 588, non-causal 4k 647 / 655; d=192 causal 1k 475 / 489, 4k 669 / 678,
+# non-causal 4k 677 / 680; d=256 non-causal 1k 654 / 665, 4k 681 / 684, causal 4k 684 / 689;
+# d=96 non-causal 4k 550 / 527, causal 16k 573 / 544. The skip branch keeps ptxas from
+# interleaving the FMULs with the exp2 and P conversion; where O is narrow (d <= 96) that
+# cost more than the FMULs saved, except in d=64's causal kernels. So: d >= 128, d=64 causal.
+LAZY = {"lazy_rescale": True}
+# d=64's varlen causal walk (own_o, dynamic) spilled 2 words with it (tests/test_compile.py).
+LAZY_BATCHED_ONLY_HEAD_DIMS = (64,)
+PERSISTENT_FWD = {(64, False): {}, (64, True): LAZY, (96, False): {}, (96, True): {},
                   (128, False): {**PACKED, "tile_n": 176}, (128, True): {},
                   (192, False): PACKED, (192, True): {**PACKED, **EARLY_RESCALE},
                   (256, False): {**PACKED, **EARLY_RESCALE},
@@ -144,7 +162,7 @@ def persistent_fwd_overrides(d: int, causal: bool, dynamic: bool = False):
 # d=256 s=512 315 / 333, 1k 482 / 496, 1.5k 543 / 556, 2k 600 / 608, 3k 666 / 627; d=192
 # 512 289 / 326, 1k 448 / 476, 2k 567 / 568, 3k 601 / 587 (a third K/V stage, which 64-key
 # blocks leave room for at d=192, did not help: 328, 470, 565, 586).
-NARROW_FWD = {64: {"num_consumer_wg": 2, "skip_empty_wg": False},  # skip: three warpgroups only
+NARROW_FWD = {64: {"num_consumer_wg": 2, "skip_empty_wg": False, **LAZY},  # skip: 3 WGs only
               192: {"tile_n": 64}, 256: {"tile_n": 64}}
 # The longest query length measured to gain (d=64: 2k-4k unmeasured; d=192: 1.5k unmeasured).
 NARROW_FWD_MAX_SEQLEN_Q = {64: 1024, 192: 1024, 256: 2048}
@@ -163,12 +181,15 @@ def fwd_tile_m(d: int, narrow: bool) -> int:
 
 
 def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool = False,
-                  narrow: bool = False, own_o: bool = False):
+                  narrow: bool = False, own_o: bool = False, varlen: bool = False):
     """FwdSm90Config overrides of one compiled forward (dispatch.get_fwd_kernel's key); own_o
     applies to the persistent kernel only."""
     base = persistent_fwd_overrides(d, causal, dynamic) if persistent else {}
-    return {**base, **(OWN_O if own_o and persistent else {}),
-            **(NARROW_FWD[d] if narrow else {})}
+    out = {**base, **(OWN_O if own_o and persistent else {}),
+           **(NARROW_FWD[d] if narrow else {})}
+    if varlen and d in LAZY_BATCHED_ONLY_HEAD_DIMS:
+        out["lazy_rescale"] = False
+    return out
 
 
 # Varlen calls walk tiles (persistent_fwd_order) whatever their lengths, so a training loop's

@@ -153,7 +153,7 @@ def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: boo
            + (("own_o",) if own_o else ()))
     with _cache_lock:
         if key not in _cache:
-            overrides = fwd_overrides(d, causal, persistent, dynamic, narrow, own_o)
+            overrides = fwd_overrides(d, causal, persistent, dynamic, narrow, own_o, varlen)
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, **overrides)
         return _cache[key]
 

@@ -139,7 +139,7 @@ def test_fwd_varlen_persistent_compiles(d, causal, own_o, tmp_path, monkeypatch)
     """Varlen tiles walked by persistent CTAs: the one-tile varlen kernel's checks, plus the
     dynamic walk's claims (its only global atomics)."""
     monkeypatch.chdir(tmp_path)
-    cfg = fwd_overrides(d, causal, persistent=True, dynamic=causal, own_o=own_o)
+    cfg = fwd_overrides(d, causal, persistent=True, dynamic=causal, own_o=own_o, varlen=True)
     ops = sass_opcodes(fwd_cubin("BFloat16", d, causal, True, tuple(sorted(cfg.items()))),
                        tmp_path)
     assert ops.get("HGMMA", 0) > 0, "no HGMMA: the kernel is off the wgmma path"

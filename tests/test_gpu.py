@@ -213,10 +213,12 @@ def test_forward_softmax_scale(scale, causal):
                   softmax_scale=scale)
 
 
-@pytest.mark.parametrize("d", [64, 256])
-def test_forward_large_logits(d):
-    """Inputs scaled up so row maxima move a lot between key blocks (online-softmax rescale)."""
-    run_and_check(*qkv_inputs(1, 600, 900, 2, 2, d, seed=5, scale=4.0), causal=False)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_forward_large_logits(d, causal):
+    """Inputs scaled up so row maxima move a lot between key blocks (online-softmax rescale;
+    FwdSm90Config.lazy_rescale: moves past its slack, so O's rescale runs in later blocks)."""
+    run_and_check(*qkv_inputs(1, 600, 900, 2, 2, d, seed=5, scale=4.0), causal=causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])

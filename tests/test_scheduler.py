@@ -116,10 +116,24 @@ def test_narrow_forward_choice():
     assert (fwd_tile_m(64, True), fwd_tile_m(64, False), fwd_tile_m(128, False)) == (128, 192, 128)
     assert fwd_tile_m(256, True) == fwd_tile_m(256, False) == 128
     assert fwd_overrides(64, True, persistent=True, dynamic=True, narrow=True) == {
-        "persistent": True, "dynamic": True, "num_consumer_wg": 2, "skip_empty_wg": False}
+        "persistent": True, "dynamic": True, "num_consumer_wg": 2, "skip_empty_wg": False,
+        "lazy_rescale": True}
     assert fwd_overrides(256, True, narrow=True) == {"tile_n": 64}
     assert fwd_overrides(192, True, persistent=True, dynamic=True, narrow=True)["tile_n"] == 64
     assert fwd_overrides(64, True) == {}
+
+
+def test_lazy_rescale_choice():
+    """FwdSm90Config.lazy_rescale: d >= 128 always, d=64 in its batched causal kernels (the
+    persistent walk and the narrow tile; varlen spilled), never at d = 96 (measured slower)."""
+    from flash_cute.config import FwdSm90Config, fwd_overrides
+    for d in (64, 96, 128, 192, 256):
+        assert FwdSm90Config.for_head_dim(d).lazy_rescale == (d >= 128)
+    assert fwd_overrides(64, True, persistent=True, dynamic=True)["lazy_rescale"]
+    assert fwd_overrides(64, True, narrow=True)["lazy_rescale"]
+    assert not fwd_overrides(64, True, persistent=True, dynamic=True, varlen=True)["lazy_rescale"]
+    assert "lazy_rescale" not in fwd_overrides(64, False, persistent=True)
+    assert "lazy_rescale" not in fwd_overrides(96, True, persistent=True, dynamic=True)
 
 
 def test_own_o_forward_choice():
@@ -135,7 +149,7 @@ def test_own_o_forward_choice():
     assert fwd_overrides(128, False, persistent=False, own_o=True) == {}
     assert fwd_overrides(64, True, persistent=True, dynamic=True, narrow=True, own_o=True) == {
         "persistent": True, "dynamic": True, "own_o": True, "tile_n": 128,
-        "num_consumer_wg": 2, "skip_empty_wg": False}
+        "num_consumer_wg": 2, "skip_empty_wg": False, "lazy_rescale": True}
 
 
 def test_l2_section_sizes():

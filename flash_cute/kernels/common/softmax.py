@@ -15,13 +15,21 @@ from .layout import acc_as_mn
 
 THREADS_PER_ROW = 4  # a wgmma accumulator row lives in one quad of lanes
 LN2 = math.log(2.0)
+# Lazy rescale: a row keeps its running max until a new block's max passes it by more than
+# this (exp2 units), so P <= 2^8 (exact in fp32, in range for fp16 / bf16 P) and most blocks
+# leave O's scale alone.
+RESCALE_SLACK_LOG2 = 8.0
 
 
 class OnlineSoftmax:
     """Running row max and row sum for the rows this thread owns."""
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    def __init__(self, scale_log2: Float32, num_rows: int, lazy: bool = False):
+        """``lazy``: the running max moves only by more than RESCALE_SLACK_LOG2, and an
+        unmoved row's rescale factor is exactly 1 (``rescale_rows`` then skips a warp whose
+        rows all kept theirs)."""
         self.scale_log2 = scale_log2
+        self.lazy = lazy
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
 
@@ -36,6 +44,12 @@ class OnlineSoftmax:
             if const_expr(not is_first):
                 m_new = cute.arch.fmax(m_new, self.row_max[r])
             m_new = cute.arch.warp_reduction_max(m_new, threads_in_group=THREADS_PER_ROW)
+            kept = False
+            if const_expr(self.lazy and not is_first):
+                # -inf rows: (-inf <= -inf) keeps -inf; a first finite max always moves.
+                kept = m_new * self.scale_log2 <= \
+                    self.row_max[r] * self.scale_log2 + Float32(RESCALE_SLACK_LOG2)
+                m_new = self.row_max[r] if kept else m_new
             # A row masked so far keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
             m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
             m_scaled = m_safe * self.scale_log2
@@ -47,6 +61,8 @@ class OnlineSoftmax:
                 self.row_sum[r] = p_sum
             else:
                 scale = cute.math.exp2(self.row_max[r] * self.scale_log2 - m_scaled, fastmath=True)
+                if const_expr(self.lazy):
+                    scale = Float32(1.0) if kept else scale
                 row_scale[r] = scale
                 self.row_sum[r] = self.row_sum[r] * scale + p_sum
             self.row_max[r] = m_new
@@ -67,8 +83,17 @@ class OnlineSoftmax:
 
 
 @cute.jit
-def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor):
-    """acc[r, :] *= row_scale[r] for an accumulator viewed as rows x columns."""
+def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor, lazy: cutlass.Constexpr[bool] = False):
+    """acc[r, :] *= row_scale[r] for an accumulator viewed as rows x columns. ``lazy``: not at
+    all when every row of the warp has factor 1 (a warp-uniform branch)."""
     acc_mn = acc_as_mn(acc)
-    for r in cutlass.range_constexpr(cute.size(row_scale)):
-        acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+    if const_expr(lazy):
+        moved = row_scale[0] != Float32(1.0)
+        for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+            moved = moved | (row_scale[r] != Float32(1.0))
+        if cute.arch.vote_any_sync(moved):
+            for r in cutlass.range_constexpr(cute.size(row_scale)):
+                acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+    else:
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])

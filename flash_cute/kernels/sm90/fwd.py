@@ -442,7 +442,8 @@ class FlashFwdSm90:
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         tOrO = cute.make_rmem_tensor(mma_pv.get_slice(wg * WG_THREADS).partition_shape_C(
             (self.tile_m, self.d)), Float32)
-        softmax = OnlineSoftmax(scale_log2, cute.size(acc_as_mn(tOrO), mode=[0]))
+        softmax = OnlineSoftmax(scale_log2, cute.size(acc_as_mn(tOrO), mode=[0]),
+                                self.cfg.lazy_rescale)
         has_rows = True  # cfg.skip_empty_wg: a warpgroup past seqlen_q only keeps its place
         if const_expr(self.cfg.skip_empty_wg):
             has_rows = m_block * self.tile_m + wg * WG_ROWS < seq.seqlen_q
@@ -514,7 +515,7 @@ class FlashFwdSm90:
             pipe_q.consumer_release(q)  # every QK^T of the tile has completed
         # Last P V.
         if const_expr(self.cfg.early_rescale):
-            rescale_rows(tOrO, o_scale)
+            rescale_rows(tOrO, o_scale, self.cfg.lazy_rescale)
         pipe_v.consumer_wait(kv)
         gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv.index], zero_init=False, wait_group=0)
         pipe_v.consumer_release(kv)
@@ -560,7 +561,7 @@ class FlashFwdSm90:
         gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True,
              wait_group=-1)
         if const_expr(self.cfg.early_rescale):  # under S_n; O's last P V was waited on
-            rescale_rows(tOrO, o_scale)
+            rescale_rows(tOrO, o_scale, self.cfg.lazy_rescale)
         pipe_v.consumer_wait(kv_prev)
         gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv_prev.index], zero_init=False,
              wait_group=-1)
@@ -581,7 +582,7 @@ class FlashFwdSm90:
         if const_expr(self.cfg.early_rescale):
             o_scale.store(row_scale.load())
         else:
-            rescale_rows(tOrO, row_scale)
+            rescale_rows(tOrO, row_scale, self.cfg.lazy_rescale)
         return kv
 
     @cute.jit
