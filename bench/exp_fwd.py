@@ -115,6 +115,9 @@ VARIANTS = {
                                                own_o=fwd_own_o(d, causal, s)),
     "ship_lazy": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "lazy_rescale": True},
     "ship_eager": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "lazy_rescale": False},
+    # A third K/V stage for d=64's three-warpgroup tile (Q 24 KB + 3 x 32 KB fits).
+    "ship_s3": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "kv_stages": 3}
+                                     if d == 64 else None),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),
@@ -151,6 +154,7 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
               (128, 1024, True), (128, 4096, True), (128, 4096, False), (192, 4096, False),
               (192, 4096, True), (192, 1024, True), (256, 1024, False), (256, 4096, False),
               (256, 4096, True)],
+    "d64": [(64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)],
     "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),
                (128, 16384, False), (128, 1024, True), (96, 1024, True)],
 }
