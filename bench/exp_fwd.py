@@ -16,8 +16,9 @@ import torch
 
 from check_fwd import timeit
 from flash_cute import dispatch
-from flash_cute.config import (OWN_O, OWN_O_HEAD_DIMS, FwdSm90Config, fwd_overrides, fwd_own_o,
-                               l2_sections, narrow_fwd, persistent_fwd_overrides)
+from flash_cute.config import (OWN_O, OWN_O_HEAD_DIMS, FwdSm90Config, fwd_l2_budget,
+                               fwd_overrides, fwd_own_o, l2_sections, narrow_fwd,
+                               persistent_fwd_overrides)
 from flash_cute.reference import attention_ref, check_close
 
 VARIANTS = {
@@ -175,7 +176,8 @@ def run(compiled, q, k, v, tile_m, section=None, ctas=None, dynamic=False, causa
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
     num_hb = q.shape[0] * q.shape[2]
     sections = (l2_sections(k.shape[1], q.shape[-1], 2, num_hb, -(-q.shape[1] // tile_m),
-                            ctas or dispatch.num_sms(q.device), causal) if section is None
+                            ctas or dispatch.num_sms(q.device), causal, fwd_l2_budget(causal))
+                if section is None
                 else (num_hb if section == "all" else section, num_hb))
     compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), *sections,
              *dispatch.NO_VARLEN, ctas,
