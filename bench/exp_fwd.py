@@ -3,7 +3,8 @@
     python bench/exp_fwd.py [--variants base persistent persistent_dyn] [--shapes long short]
     python bench/exp_fwd.py --d 128 --variants base persistent_ship tn176 tn176_persistent
 A variant is a config override plus an optional scheduler section size ("section": 1 gives the
-m-block-fastest order, "all" one section of every head). Variants are timed interleaved over
+m-block-fastest order, "all" one section of every head) or L2 budget ("budget": bytes; default
+the dispatcher's, config.fwd_l2_budget). Variants are timed interleaved over
 several rounds and the median per variant is printed, so clock and neighbour drift hit all alike.
 Every variant is checked against the oracle first. A variant whose overrides are None at some d
 (persistent: where it does not compile clean) is skipped there.
@@ -116,6 +117,9 @@ VARIANTS = {
                                                own_o=fwd_own_o(d, causal, s)),
     "ship_lazy": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "lazy_rescale": True},
     "ship_eager": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "lazy_rescale": False},
+    # The shipped kernel in 8 MB L2 sections (the non-causal budget): the order exp_fwd timed
+    # causal calls in before session 21's fix ("budget": bytes, popped like "section").
+    "ship_8mb": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "budget": 8 << 20},
     # A third K/V stage for d=64's three-warpgroup tile (Q 24 KB + 3 x 32 KB fits).
     "ship_s3": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "kv_stages": 3}
                                      if d == 64 else None),
@@ -169,14 +173,16 @@ ap.add_argument("--d", type=int, nargs="+", help="only the shapes of these head 
 args = ap.parse_args()
 
 
-def run(compiled, q, k, v, tile_m, section=None, ctas=None, dynamic=False, causal=False):
+def run(compiled, q, k, v, tile_m, section=None, ctas=None, dynamic=False, causal=False,
+        budget=None):
     """section None: config.l2_sections' order (as dispatch.fwd); a number or "all": sections
     of that many heads, none merged into a tail."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
     num_hb = q.shape[0] * q.shape[2]
     sections = (l2_sections(k.shape[1], q.shape[-1], 2, num_hb, -(-q.shape[1] // tile_m),
-                            ctas or dispatch.num_sms(q.device), causal, fwd_l2_budget(causal))
+                            ctas or dispatch.num_sms(q.device), causal,
+                            budget or fwd_l2_budget(causal))
                 if section is None
                 else (num_hb if section == "all" else section, num_hb))
     compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), *sections,
@@ -198,6 +204,7 @@ for d, s, causal in [shape for name in args.shapes for shape in SHAPES[name]
             continue
         kw = dict(kw)
         section = kw.pop("section", None)
+        budget = kw.pop("budget", None)
         ctas = dispatch.num_sms(q.device) if kw.get("persistent") else None
         dyn = bool(kw.get("dynamic"))
         key = (d, causal, tuple(sorted(kw.items())))
@@ -210,15 +217,15 @@ for d, s, causal in [shape for name in args.shapes for shape in SHAPES[name]
         ref, _ = attention_ref(qs, ks, vs, causal=causal)
         low, _ = attention_ref(qs, ks, vs, causal=causal, upcast=False)
         # Persistent: checked with a few CTAs (7: uneven rounds), so each walks many tiles.
-        check_close(run(comp, qs, ks, vs, tile_m, section, ctas and CHECK_CTAS, dyn, causal),
-                    ref, low)
+        check_close(run(comp, qs, ks, vs, tile_m, section, ctas and CHECK_CTAS, dyn, causal,
+                        budget), ref, low)
         # Scores scaled up, so row maxima keep moving between key blocks (the O rescale).
         ref, _ = attention_ref(qs * 4, ks, vs, causal=causal)
         low, _ = attention_ref(qs * 4, ks, vs, causal=causal, upcast=False)
-        check_close(run(comp, qs * 4, ks, vs, tile_m, section, ctas and CHECK_CTAS, dyn, causal),
-                    ref, low)
-        fns[name] = (lambda comp=comp, tm=tile_m, section=section, ctas=ctas, dyn=dyn:
-                     run(comp, q, k, v, tm, section, ctas, dyn, causal))
+        check_close(run(comp, qs * 4, ks, vs, tile_m, section, ctas and CHECK_CTAS, dyn, causal,
+                        budget), ref, low)
+        fns[name] = (lambda comp=comp, tm=tile_m, section=section, ctas=ctas, dyn=dyn,
+                     budget=budget: run(comp, q, k, v, tm, section, ctas, dyn, causal, budget))
     times = {n: [] for n in fns}
     for _ in range(ROUNDS):
         for n, fn in fns.items():
