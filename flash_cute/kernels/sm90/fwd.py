@@ -81,7 +81,8 @@ carrying over from tile to tile, see first_turn).
 
 Per key block (intra-warpgroup overlap): issue S_next = Q K_next^T, then O += P_prev V_prev; wait
 for S_next; mask and softmax it while P V runs; rescale O (``cfg.early_rescale``, d=256 and
-causal d=192: in the next block, under S_next, just before its P V). Masks only on the first
+causal d=192: in the next block, under S_next, just before its P V; ``cfg.lazy_rescale``:
+skipped by a warp whose rows all kept their max). Masks only on the first
 block visited (ragged key tail, causal) and on blocks crossing the causal diagonal.
 A warpgroup whose 64 rows all lie past seqlen_q (``cfg.skip_empty_wg``, the three-warpgroup
 d=64 tile) only waits on and releases each stage (pass_blocks) and then runs the epilogue,
