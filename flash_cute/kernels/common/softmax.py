@@ -110,8 +110,11 @@ def rescale_rows(acc: cute.Tensor, row_scale: cute.Tensor, lazy: cutlass.Constex
         for r in cutlass.range_constexpr(1, cute.size(row_scale)):
             moved = moved | (row_scale[r] != Float32(1.0))
         if cute.arch.vote_any_sync(moved):
-            for r in cutlass.range_constexpr(cute.size(row_scale)):
-                acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+            _scale_rows(acc_mn, row_scale)
     else:
-        for r in cutlass.range_constexpr(cute.size(row_scale)):
-            acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
+        _scale_rows(acc_mn, row_scale)
+
+
+def _scale_rows(acc_mn: cute.Tensor, row_scale: cute.Tensor):
+    for r in range(cute.size(row_scale)):
+        acc_mn[r, None].store(acc_mn[r, None].load() * row_scale[r])
