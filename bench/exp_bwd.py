@@ -100,6 +100,10 @@ VARIANTS = {
     "p16_view": {"p16_view": True},
     "p16_copy": {"p16_view": False},
     "ds16": {"p16_view": True, "ds16": True},  # dS^T by packed 16-bit multiplies
+    # Session 21 (built, not yet timed): the dQ turn's two chunks issued back to back, chunk
+    # 0 stored under chunk 1's wgmma (dK waited on first).
+    "dq_overlap": {"dq_overlap": True},
+    "talt_overlap": {"tile_m": 80, "dq_split": "talt", "dq_overlap": True},
     "tma_epi": {"tma_epilogue": True},
     "reg_epi": {"tma_epilogue": False},
     "tma_epi_persistent": {"tma_epilogue": True, "persistent": True, "stagger": False},
@@ -120,7 +124,7 @@ VARIANTS = {
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
-VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80", "talt_lse")
+VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80", "talt_lse", "dq_overlap")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

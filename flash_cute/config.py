@@ -436,6 +436,11 @@ class BwdSm90Config:
     # one rounding more, dP^T - D to 16 bits before the multiply, for +0.2..+1.5% over
     # p16_view in 9 cells; the gradient tests pass with it).
     ds16: bool = False
+    # Experiment (session 21, not yet timed): the dQ turn issues all its column chunks (d=128:
+    # two of 64) into accumulators of their own before storing any, so chunk c's stores to
+    # sdQ run under chunk c+1's wgmma (off: chunk, wait, store, next chunk). The second
+    # accumulator lives where S^T / dP^T were (dead by then). dq_turns only.
+    dq_overlap: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -508,6 +513,8 @@ class BwdSm90Config:
                              v_with_do=True)
 
     def __post_init__(self):
+        if self.dq_overlap and not (self.dq_turns and not self.wide):
+            raise ValueError("dq_overlap: dq_split 'alt' / 'talt' of the narrow kernel only")
         if self.ds16 and not self.p16_view:
             raise ValueError("ds16 reads P^T's packed copy: set p16_view=True too")
         if self.dq_split not in ("n", "alt", "m", "t", "talt"):

@@ -825,3 +825,29 @@ def test_ds16_compiles(d, ov, tmp_path, monkeypatch):
     check_main_sass(ds16)
     assert ds16.get("HMUL2", 0) > 0 and ds16.get("FMUL", 0) < shipped.get("FMUL", 0)
     assert sum(ds16.values()) < sum(shipped.values())
+
+
+@pytest.mark.parametrize("d,causal,varlen,ov", [(128, True, False, {}), (128, True, True, {}),
+                                                (128, False, False, backward.BATCHED_TALT),
+                                                (64, False, False, backward.BATCHED_TILE_M128)],
+                         ids=["d128_causal", "d128_varlen", "d128_talt", "d64"])
+def test_dq_overlap_compiles(d, causal, varlen, ov, tmp_path, monkeypatch):
+    """cfg.dq_overlap (opt-in): spill-free, not serialized (dK is waited on before the second
+    accumulator takes its operand registers), the same HGMMA count."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    on, off = [sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, varlen=varlen, **ov,
+                                               dq_overlap=flag), tmp_path)
+               for flag in (True, False)]
+    check_main_sass(on)
+    assert on["HGMMA"] == off["HGMMA"]
+
+
+def test_dq_overlap_needs_dq_turns():
+    """The wide kernel (d=256) and the lockstep d-split compute dQ their own way."""
+    from flash_cute.config import BwdSm90Config
+    with pytest.raises(ValueError, match="dq_overlap"):
+        dataclasses.replace(BwdSm90Config.for_head_dim(256), dq_overlap=True)
+    with pytest.raises(ValueError, match="dq_overlap"):
+        dataclasses.replace(BwdSm90Config.for_head_dim(128), dq_split="n", stagger=False,
+                            dq_overlap=True)

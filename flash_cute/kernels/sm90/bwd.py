@@ -957,11 +957,26 @@ class FlashBwdSm90(DqWarp):
     def dq_to_smem(self, mma_dq: cute.TiledMma, tdQrdQ: cute.Tensor, tdQrdS: cute.Tensor, tdQrK,
                    tdQsdQ):
         """dQ = dS K chunk by chunk, each waited on (with every wgmma before it) and stored to
-        its columns of sdQ. ``tdQrdS``: this block's sdS buffer."""
-        for c in cutlass.range_constexpr(len(tdQrK)):
-            gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
-                 wait_group=0)
-            cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+        its columns of sdQ. ``tdQrdS``: this block's sdS buffer. cfg.dq_overlap: every chunk
+        issued first (an accumulator each), then waited on and stored in order, so a chunk's
+        stores run under the next chunk's wgmma."""
+        n = len(tdQrK)
+        if const_expr(self.cfg.dq_overlap):
+            # dK (in flight, reading dS^T's registers) done first: its operand registers then
+            # hold the second accumulator (else ptxas serializes every wgmma, C7512).
+            warpgroup.wait_group(0)
+            accs = [tdQrdQ] + [cute.make_rmem_tensor_like(tdQrdQ) for _ in range(1, n)]
+            for c in cutlass.range_constexpr(n):
+                gemm(mma_dq, accs[c], *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
+                     wait_group=-1)
+            for c in cutlass.range_constexpr(n):
+                warpgroup.wait_group(n - 1 - c)  # groups retire in order: chunk c is done
+                cute.autovec_copy(accs[c], tdQsdQ[c])
+        else:
+            for c in cutlass.range_constexpr(n):
+                gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
+                     wait_group=0)
+                cute.autovec_copy(tdQrdQ, tdQsdQ[c])
 
     def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
         """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""
