@@ -183,7 +183,8 @@ def fwd_tile_m(d: int, narrow: bool) -> int:
 def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool = False,
                   narrow: bool = False, own_o: bool = False, varlen: bool = False):
     """FwdSm90Config overrides of one compiled forward (dispatch.get_fwd_kernel's key); own_o
-    applies to the persistent kernel only."""
+    applies to the persistent kernel only; varlen drops lazy_rescale where it spilled
+    (LAZY_BATCHED_ONLY_HEAD_DIMS)."""
     base = persistent_fwd_overrides(d, causal, dynamic) if persistent else {}
     out = {**base, **(OWN_O if own_o and persistent else {}),
            **(NARROW_FWD[d] if narrow else {})}
@@ -438,8 +439,9 @@ class BwdSm90Config:
     ds16: bool = False
     # Experiment (session 21, not yet timed): the dQ turn issues all its column chunks (d=128:
     # two of 64) into accumulators of their own before storing any, so chunk c's stores to
-    # sdQ run under chunk c+1's wgmma (off: chunk, wait, store, next chunk). The second
-    # accumulator lives where S^T / dP^T were (dead by then). dq_turns only.
+    # sdQ run under chunk c+1's wgmma (off: chunk, wait, store, next chunk). The turn waits
+    # for its dK first: with dK's operands still live ptxas serialized every wgmma (C7512).
+    # dq_turns only.
     dq_overlap: bool = False
 
     @property

@@ -962,8 +962,8 @@ class FlashBwdSm90(DqWarp):
         stores run under the next chunk's wgmma."""
         n = len(tdQrK)
         if const_expr(self.cfg.dq_overlap):
-            # dK (in flight, reading dS^T's registers) done first: its operand registers then
-            # hold the second accumulator (else ptxas serializes every wgmma, C7512).
+            # dK done first: with its operands still live, the second accumulator did not fit
+            # and ptxas serialized every wgmma (C7512).
             warpgroup.wait_group(0)
             accs = [tdQrdQ] + [cute.make_rmem_tensor_like(tdQrdQ) for _ in range(1, n)]
             for c in cutlass.range_constexpr(n):
