@@ -30,7 +30,10 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
     if why is not None:
         raise NotImplementedError(f"flash_cute: unsupported option {why}")
     if not use_custom_ops():  # eager: the same functions without the dispatcher's cost
-        out, lse = FlashAttnFunc.apply(q, k, v, opts, deterministic)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = FlashAttnFunc.apply(q, k, v, opts, deterministic)
+        else:  # nothing to record for autograd: skip apply's host cost (serving)
+            out, lse = dispatch.fwd(q, k, v, **opts)
     elif varlen:
         out, lse = torch.ops.flash_cute.varlen_fwd(q, k, v, *(opts[n] for n in VARLEN_OP_ARGS),
                                                    deterministic)

@@ -76,12 +76,48 @@ def check_layout(name, t):
                          "call .contiguous()")
 
 
+def _qkv_accepted(q, k, v, varlen, require_cuda):
+    """(nheads, nheads_kv, head_dim) when check_qkv would accept q, k, v, else None.
+
+    The same conditions in a handful of Python steps for the common valid call (one check_qkv
+    costs ~8 us of host time per call, paid before the kernel launch); None sends the call
+    through check_qkv, whose messages name what is wrong. Anything outside the plain case
+    (a tensor subclass, a size-1 dimension with an odd stride) also answers None."""
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
+        return None
+    dt, dev = q.dtype, q.device
+    if (dt not in SUPPORTED_DTYPES or k.dtype != dt or v.dtype != dt or k.device != dev
+            or v.device != dev or (require_cuda and dev.type != "cuda")):
+        return None
+    shape, k_shape = q.shape, k.shape
+    if (len(shape) != (3 if varlen else 4) or len(k_shape) != len(shape)
+            or v.shape != k_shape or (not varlen and k_shape[0] != shape[0])):
+        return None
+    h, hk, d = shape[-2], k_shape[-2], shape[-1]
+    if hk == 0 or h % hk != 0 or h == 0 or k_shape[-1] != d or d not in SUPPORTED_HEAD_DIMS:
+        return None
+    align = ALIGN_BYTES // q.element_size()
+    for t in (q, k, v):
+        *outer, last = t.stride()
+        if last != 1 or any(st % align for st in outer) or 0 in t.shape:
+            return None
+    if torch.compiler.is_compiling() or any(t.data_ptr() % ALIGN_BYTES for t in (q, k, v)):
+        return None
+    return h, hk, d
+
+
 def check_qkv(q, k, v, *, varlen=False, require_cuda=True):
     """Types, device, dtype, ranks, shapes, head counts, head dim and memory layout of q, k, v.
 
     Batched: q (b, sq, h, d), k and v (b, sk, hk, d). Varlen: q (total_q, h, d),
     k and v (total_k, hk, d). Returns (nheads, nheads_kv, head_dim).
     """
+    accepted = _qkv_accepted(q, k, v, varlen, require_cuda)
+    return accepted if accepted is not None else _check_qkv_each(q, k, v, varlen, require_cuda)
+
+
+def _check_qkv_each(q, k, v, varlen, require_cuda):
+    """check_qkv one condition at a time, raising for the first that fails."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
     for name, t in (("q", q), ("k", k), ("v", v)):

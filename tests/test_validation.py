@@ -8,6 +8,8 @@ import pathlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flash_cute
 from flash_cute import interface, validation
@@ -353,3 +355,54 @@ def test_no_asserts_in_user_facing_code():
         tree = ast.parse((root / name).read_text())
         found = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Assert)]
         assert not found, f"assert statements in {name} at lines {found}"
+
+
+# ---- the fast acceptance path agrees with the detailed checks
+
+@st.composite
+def _qkv_metadata(draw):
+    """q, k, v as views of one buffer with drawn ranks, sizes, strides, offsets and dtypes:
+    mostly valid calls, with each kind of fault drawn now and then."""
+    varlen = draw(st.booleans())
+    rank = 3 if varlen else 4
+    d = draw(st.sampled_from((64, 128, 64, 128, 80, 0)))
+    hk = draw(st.sampled_from((1, 2, 1, 2, 0)))
+    h = hk * draw(st.sampled_from((1, 2))) + draw(st.sampled_from((0,) * 5 + (1,)))
+    rows = [draw(st.sampled_from((1, 2, 3, 1, 2, 3, 0))) for _ in range(rank - 2)]
+
+    def tensor(heads, dtype, last):
+        sizes = (*rows, heads, last)
+        pad = draw(st.sampled_from((0, 0, 0, 8, 8, 3)))  # row padding: aligned or not
+        offset = draw(st.sampled_from((0, 0, 0, 8, 8, 1)))  # base address: aligned or not
+        n = 1
+        for x in sizes:
+            n *= max(x, 1)
+        base = torch.zeros(offset + 4 * n * (last + pad + 1), dtype=dtype)
+        strides, step = [], 1
+        for i, x in reversed(list(enumerate(sizes))):
+            strides.insert(0, step)
+            step *= max(x, 1) + (pad if i == rank - 1 else 0)
+        if draw(st.integers(0, 19)) == 0:  # the head dim not unit-stride
+            strides[-1] = 2
+        return base.as_strided(sizes, strides, offset)
+
+    dtypes = (BF16, torch.float16, BF16, torch.float16, torch.float32)
+    dq = draw(st.sampled_from(dtypes))
+    dk = dq if draw(st.integers(0, 9)) else draw(st.sampled_from(dtypes))
+    q = tensor(h, dq, d)
+    k = tensor(hk, dk, d if draw(st.integers(0, 9)) else 128)
+    v = tensor(hk, dq, d if draw(st.integers(0, 9)) else 64)
+    return q, k, v, varlen
+
+
+@settings(max_examples=300)
+@given(_qkv_metadata())
+def test_fast_qkv_path_accepts_only_what_the_checks_accept(case):
+    q, k, v, varlen = case
+    fast = validation._qkv_accepted(q, k, v, varlen, False)
+    try:
+        slow = validation._check_qkv_each(q, k, v, varlen, False)
+    except (TypeError, ValueError, NotImplementedError):
+        slow = None
+    if fast is not None:
+        assert fast == slow
