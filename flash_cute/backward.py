@@ -503,18 +503,40 @@ def _require_runnable(d: int, device=None):
         raise NotImplementedError(f"flash_cute fused backward: head_dim={d} is not supported "
                                   f"(supported: {BWD_SUPPORTED_HEAD_DIMS})")
     if device is not None:
-        major, minor = torch.cuda.get_device_capability(device)
+        major, minor = _capability(device)
         if (major, minor) != (9, 0):
             raise NotImplementedError(f"flash_cute fused backward targets sm_90a; this GPU is "
                                       f"sm_{major}{minor}")
 
 
+@functools.lru_cache(maxsize=None)  # asked on every call: host time before the first launch
+def _capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
+
+
 def _semaphores(shape, deterministic: bool, device) -> torch.Tensor:
     """The dQ-order counters, one per query block, zeroed (deterministic); otherwise a stub
-    of the same rank that the kernel never reads or writes (no fill launched for it)."""
+    of the same rank that the kernel never reads or writes (no fill, and no allocation: one
+    stub per device and rank serves every call)."""
     if deterministic:
         return torch.zeros(shape, dtype=torch.int32, device=device)
-    return torch.empty((1,) * len(shape), dtype=torch.int32, device=device)
+    return _semaphore_stub(device, len(shape))
+
+
+@functools.lru_cache(maxsize=None)
+def _semaphore_stub(device, rank: int) -> torch.Tensor:
+    return torch.empty((1,) * rank, dtype=torch.int32, device=device)
+
+
+def _row_scratch(rows: tuple, dq_row: int, d: int, device):
+    """fp32 LSE_log2 and D, shaped ``rows``, and the dQ accumulator (*rows, d) in rows of
+    dq_row floats: views of one allocation (one caching-allocator call instead of three,
+    before the first launch). The accumulator comes first; every start stays 16-byte aligned
+    (the padded row count is a multiple of the query tile)."""
+    n = math.prod(rows)
+    buf = torch.empty(n * (dq_row + 2), dtype=torch.float32, device=device)
+    dq_accum = buf[:n * dq_row].view(*rows, dq_row)[..., :d]
+    return buf[n * dq_row:n * (dq_row + 1)].view(rows), buf[n * (dq_row + 1):].view(rows), dq_accum
 
 
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -531,12 +553,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     _require_runnable(d)
-    # Contiguous whatever the inputs' strides: the layout flash_cute::bwd's fake promises.
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
-    if dq.numel() == 0 or sk == 0:   # no queries or no keys: every gradient is 0
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    if dk.numel() == 0:
-        return dq.zero_(), dk, dv
+    if q.numel() == 0 or k.numel() == 0:  # no queries or no keys: every gradient is 0
+        return _zero_grads(q, k, v)
     _require_runnable(d, q.device)
     persistent = _resolve_persistent(persistent, d)
     cfg_overrides = batched_overrides(d, cfg_overrides, bool(causal), sq, persistent)
@@ -546,14 +564,16 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                bool(causal), gqa, bool(deterministic),
                                                persistent=persistent,
                                                cfg_overrides=cfg_overrides)
-    q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
-    lse = lse.detach().contiguous()
-
+    # bwd_pre first, with only what it needs: the rest of the host work below runs while the
+    # GPU does it (a training step's backward is host-bound on slow hosts otherwise).
     sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
-    f32 = dict(dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty((b, h, sq_pad), **f32)
-    dpsum = torch.empty((b, h, sq_pad), **f32)
-    dq_accum = torch.empty((b, h, sq_pad, cfg.dq_row), **f32)[..., :d]
+    lse_log2, dpsum, dq_accum = _row_scratch((b, h, sq_pad), cfg.dq_row, d, q.device)
+    out, dout = _tma_ready(out.detach()), _tma_ready(dout.detach())
+    pre(out, dout, lse.detach().contiguous(), lse_log2, dpsum, dq_accum, *NO_VARLEN_Q)
+
+    # Contiguous whatever the inputs' strides: the layout flash_cute::bwd's fake promises.
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    q, k, v = (_tma_ready(t.detach()) for t in (q, k, v))
     if cfg.timeline:  # the stamps of every tile (config.BWD_TIMELINE) in place of semaphores
         sem = torch.zeros((b, h, -(-sk // cfg.tile_n) * len(BWD_TIMELINE)), dtype=torch.int32,
                           device=q.device)
@@ -561,13 +581,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         last_timeline = sem.view(-1, len(BWD_TIMELINE))  # tile (= blockIdx.x) x slot
     else:
         sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic, q.device)
-    if gqa:
-        dk_out = torch.empty((b, sk, h, d), **f32)
-        dv_out = torch.empty((b, sk, h, d), **f32)
-    else:
-        dk_out, dv_out = dk, dv
-
-    pre(out, dout, lse, lse_log2, dpsum, dq_accum, *NO_VARLEN_Q)
+    dk_out, dv_out = _dkv_sums((b, sk, h, d), q.device, torch.empty) if gqa else (dk, dv)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
          *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal))
@@ -576,6 +590,17 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
         post(dv_out, dv, 1.0, *NO_VARLEN_Q)
     return dq, dk, dv
+
+
+def _zero_grads(q, k, v):
+    return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _dkv_sums(shape, device, alloc):
+    """GQA: fp32 dK and dV per query head (summed over each group by bwd_post), two views of
+    one allocation (``alloc``: torch.empty, or torch.zeros where the kernel skips rows)."""
+    both = alloc((2, *shape), dtype=torch.float32, device=device)
+    return both[0], both[1]
 
 
 def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -597,11 +622,8 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     total_k, hk = k.shape[0], k.shape[1]
     batch = cu_seqlens_q.shape[0] - 1
     _require_runnable(d)
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if total_q == 0 or total_k == 0 or batch == 0 or h == 0:  # no scores at all: all 0
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    if seqused_k is not None:  # the kernel writes no key row past seqused_k
-        dk.zero_(), dv.zero_()
+        return _zero_grads(q, k, v)
     _require_runnable(d, q.device)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
@@ -610,25 +632,25 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                                bool(causal), gqa, bool(deterministic),
                                                varlen=True, persistent=persistent,
                                                cfg_overrides=cfg_overrides)
-    q, k, v, dout, out = (_tma_ready(t.detach()) for t in (q, k, v, dout, out))
-    lse = lse.detach().contiguous()
     # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
-
+    # bwd_pre first, as in bwd: the host work below overlaps it.
     rows = pad_offset(total_q, batch, cfg.tile_m)  # padded rows of all sequences
-    f32 = dict(dtype=torch.float32, device=q.device)
-    lse_log2 = torch.empty((h, rows), **f32)
-    dpsum = torch.empty((h, rows), **f32)
-    dq_accum = torch.empty((h, rows, cfg.dq_row), **f32)[..., :d]
+    lse_log2, dpsum, dq_accum = _row_scratch((h, rows), cfg.dq_row, d, q.device)
+    out, dout = _tma_ready(out.detach()), _tma_ready(dout.detach())
+    pre(out, dout, lse.detach().contiguous(), lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q)
+
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if seqused_k is not None:  # the kernel writes no key row past seqused_k
+        dk.zero_(), dv.zero_()
+    q, k, v = (_tma_ready(t.detach()) for t in (q, k, v))
     sem = _semaphores((h, rows // cfg.tile_m), deterministic, q.device)
     if gqa:
-        alloc = torch.zeros if seqused_k is not None else torch.empty
-        dk_out, dv_out = (alloc((total_k, h, d), **f32) for _ in range(2))
+        dk_out, dv_out = _dkv_sums((total_k, h, d), q.device,
+                                   torch.empty if seqused_k is None else torch.zeros)
     else:
         dk_out, dv_out = dk, dv
-
-    pre(out, dout, lse, lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
          used_k,
