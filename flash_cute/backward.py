@@ -216,7 +216,7 @@ def _fake_varlen_rows(cfg):
 
 
 def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                 pdl=False):
+                 pdl=False, pad_dq_accum=True, **pre_options):
     import cutlass
     import cutlass.cute as cute
 
@@ -232,6 +232,8 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
         cfg = dataclasses.replace(cfg, tile_m=tile_m,
                                   dq_split="t" if tile_m == BWD_TILE_M80 else "m",
                                   stagger=False, early_lse_d=False)
+    if not pad_dq_accum:  # the dQaccum row stride (cfg.dq_row) is compiled in
+        cfg = dataclasses.replace(cfg, pad_dq_accum=False)
     b, sq, h = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if varlen:
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq),
@@ -245,7 +247,8 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
         args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
                 _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
                 _fake_dq_accum(b, h, sq_pad, cfg), *NO_VARLEN_Q)
-    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m, pdl), args, keep_cubin)
+    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m, pdl, **pre_options), args,
+                          keep_cubin)
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
@@ -308,7 +311,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                  pdl=False, dq_swizzle=False):
+                  pdl=False, dq_swizzle=False, **post_options):
     import cutlass
     import cutlass.cute as cute
 
@@ -329,8 +332,9 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
         varlen_args = NO_VARLEN_Q
     if tile_m is None:
         tile_m = BwdSm90Config.for_head_dim(d).tile_m
-    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle),
-                          (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
+    return compile_kernel(
+        FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle, **post_options),
+        (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
 def _get(key, build):
@@ -429,8 +433,10 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     cfg = _config(d, tuple(overrides.items()))
     tm, pdl = cfg.tile_m, cfg.pdl
     extra = tuple(sorted(overrides.items()))
-    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl),
-               lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl))
+    pad = cfg.pad_dq_accum
+    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl, pad),
+               lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
+                                    pad_dq_accum=pad))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
                  extra),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
@@ -464,7 +470,7 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
     tm, pdl = cfg_overrides.get("tile_m"), cfg_overrides.get("pdl", False)
     if kernel == "pre":
         compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen, tile_m=tm,
-                                pdl=pdl)
+                                pdl=pdl, pad_dq_accum=cfg_overrides.get("pad_dq_accum", True))
     elif kernel == "post":
         compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen,
                                  tile_m=tm, pdl=pdl)

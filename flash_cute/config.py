@@ -443,11 +443,16 @@ class BwdSm90Config:
     # for its dK first: with dK's operands still live ptxas serialized every wgmma (C7512).
     # dq_turns only.
     dq_overlap: bool = False
+    # dQaccum's rows padded like sdQ's (DQ_ROW_PAD floats: sdQ's bank-conflict padding), so
+    # the dQ warp adds a block with one bulk reduction. False (session 23): unpadded rows of d
+    # floats, one bulk reduction per row; bwd_pre / bwd_post then stream rows aligned to 256 B
+    # (padded: 288 / 544 B apart, and both ran 6-12% slower than FA4's).
+    pad_dq_accum: bool = True
 
     @property
     def dq_row(self) -> int:
         """Row stride (fp32 elements) of dQaccum in global memory."""
-        return self.head_dim + self.dq_row_pad
+        return self.head_dim + (self.dq_row_pad if self.pad_dq_accum else 0)
 
     @property
     def dq_row_pad(self) -> int:
@@ -564,6 +569,8 @@ class BwdSm90Config:
                              f"layout or the persistent kernel; got dq_split "
                              f"{self.dq_split!r}, dq_first {self.dq_first}, wide {self.wide}, "
                              f"persistent {self.persistent}")
+        if not self.pad_dq_accum and self.wide:
+            raise ValueError("pad_dq_accum=False: the narrow kernel (d 64/96/128) only")
         if (self.do_stages or self.dq_per_turn) and not self.wide:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
         if self.v_with_do and self.wide:

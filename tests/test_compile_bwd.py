@@ -218,6 +218,40 @@ def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, dq_first, tmp_path
                 tmp_path)
 
 
+@pytest.mark.parametrize("d,causal,varlen,deterministic", [
+    (64, False, False, False), (64, True, True, True), (96, True, False, False),
+    (128, True, True, False)])
+def test_bwd_unpadded_dq_accum_compiles(d, causal, varlen, deterministic, tmp_path,
+                                        monkeypatch):
+    """cfg.pad_dq_accum=False (opt-in): ptxas-clean, and the dQ warp adds a block row by row
+    (one bulk reduction per query row of the tile instead of one per tile)."""
+    monkeypatch.chdir(tmp_path)
+    ov = {"pad_dq_accum": False}
+    if not varlen:
+        ov.update(backward.batched_overrides(d, None, causal, 1024) or {})
+    ptx = backward.bwd_ptx(ARCH, "BFloat16", d, causal, False, deterministic=deterministic,
+                           varlen=varlen, **ov)
+    check_ptxas(ptx, tmp_path)
+    cfg = backward.bwd_config(d, ov)
+    assert cfg.dq_row == d
+    assert ptx.count("cp.reduce.async.bulk") == cfg.tile_m
+    ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, kernel="pre", varlen=varlen,
+                                          **ov), tmp_path)
+    assert ops.get("STL", 0) == 0 and ops.get("STG", 0) > 0
+
+
+def test_bwd_pre_two_passes_at_d128(tmp_path, monkeypatch):
+    """bwd_pre's batched d=128 CTA covers two 32-row passes, every load issued before the
+    first store (the varlen kernel already walks its tile in passes)."""
+    monkeypatch.chdir(tmp_path)
+    from flash_cute.kernels.sm90.bwd_pre import BATCHED_PASSES
+    assert BATCHED_PASSES.get(128) == 2
+    cubin = backward.bwd_cubin(ARCH, "BFloat16", 128, kernel="pre")
+    ops = sass_opcodes(cubin, tmp_path)
+    # O and dO of two rows (4 + 4 16-byte vectors each), then dQaccum zeros for both.
+    assert ops.get("LDG", 0) >= 2 * 2 * 4 and ops.get("STG", 0) >= 2 * 8
+
+
 # cfg.tma_epilogue (opt-in): dK / dV staged in sK / sV, then TMA stores (varlen: 16-byte row
 # stores). Columns: dtype, d, causal, gqa, deterministic, varlen, persistent; d=256 is the wide
 # kernel (64-key tiles).
@@ -366,6 +400,15 @@ def test_dq_first_config_rejects_wide_dq_tiles():
     for d, split in ((96, "alt"), (128, "alt")):
         with pytest.raises(ValueError, match="dq_first"):
             dataclasses.replace(BwdSm90Config.for_head_dim(d), dq_split=split, dq_first=True)
+
+
+def test_unpadded_dq_accum_config():
+    """pad_dq_accum=False: dQaccum rows of d floats (sdQ keeps its padding); narrow only."""
+    cfg = dataclasses.replace(BwdSm90Config.for_head_dim(64), pad_dq_accum=False)
+    assert cfg.dq_row == 64 and cfg.dq_row_pad > 0
+    assert BwdSm90Config.for_head_dim(64).dq_row == 64 + cfg.dq_row_pad
+    with pytest.raises(ValueError, match="pad_dq_accum"):
+        dataclasses.replace(BwdSm90Config.for_head_dim(256), pad_dq_accum=False)
 
 
 def test_bwd_host_rejects():

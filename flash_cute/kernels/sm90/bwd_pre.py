@@ -21,9 +21,9 @@ tiles numbered over those that exist (scheduler.varlen_tile_coords): a sequence 
 padded rows up to its used length rounded up to tile_m (the tiles the main kernel reads),
 padding rules as above.
 
-Thread mapping: 128 threads per CTA, ROWS_PER_CTA = 32 rows, THREADS_PER_ROW = 4 consecutive
-lanes per row; the row's dot product is a 4-lane butterfly reduction. The four lanes of a row
-interleave their 16-byte vectors (lane p owns vectors p, p + 4, ...), so each load or store
+Thread mapping: 128 threads per CTA, ROWS_PER_CTA = 32 rows per pass (batched:
+BATCHED_PASSES passes per CTA), THREADS_PER_ROW = 4 consecutive lanes per row; the row's dot
+product is a 4-lane butterfly reduction. The four lanes of a row interleave their 16-byte vectors (lane p owns vectors p, p + 4, ...), so each load or store
 instruction of a warp covers 64 contiguous bytes per row: whole 32-byte sectors. (Owning d/4
 contiguous elements instead gave each instruction 16-byte pieces 64 or 128 bytes apart, half
 sectors: 147 us vs FA4's 84 us at 16k tokens, 16 heads, d = 128 under ncu.) Memory-bound: it
@@ -47,6 +47,10 @@ from . import pdl
 THREADS = 128
 THREADS_PER_ROW = 4                    # a quad: the row reduction is two shuffles
 ROWS_PER_CTA = THREADS // THREADS_PER_ROW
+# Batched: 32-row passes per CTA by head dim (default 1). Two at d=128, 64 rows per CTA with 16
+# loads per thread in flight: 72 vs 76-78 us at 16k tokens x 16 heads on the H200 (session 23,
+# bench/exp_pre.py); at d=64 two passes measured 1-2% slower.
+BATCHED_PASSES = {128: 2}
 VEC_BYTES = 16                         # one vector load / store per thread and instruction
 LOG2E = math.log2(math.e)
 
@@ -64,6 +68,7 @@ class FlashBwdPreSm90:
         self.varlen = varlen
         self.tile_m = tile_m
         self.pdl = pdl
+        self.passes = 1 if varlen else BATCHED_PASSES.get(head_dim, 1)
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -78,7 +83,8 @@ class FlashBwdPreSm90:
             grid = [scheduler.varlen_num_tiles(mO.shape[0], mCuSeqlensQ.shape[0] - 1,
                                                self.tile_m, mO.shape[1]), 1, 1]
         else:
-            grid = [cute.ceil_div(mLSElog2.shape[2], ROWS_PER_CTA), mO.shape[2], mO.shape[0]]
+            grid = [cute.ceil_div(mLSElog2.shape[2], ROWS_PER_CTA * self.passes), mO.shape[2],
+                    mO.shape[0]]
         self.kernel(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, mCuSeqlensQ, mSeqUsedQ).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream)
 
@@ -113,7 +119,8 @@ class FlashBwdPreSm90:
         else:
             row_block, head, batch = cute.arch.block_idx()
             self.rows(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, (batch,), head,
-                      [row_block * ROWS_PER_CTA + lane_row], mO.shape[1], mLSElog2.shape[2],
+                      [(row_block * self.passes + p) * ROWS_PER_CTA + lane_row
+                       for p in range(self.passes)], mO.shape[1], mLSElog2.shape[2],
                       tidx % THREADS_PER_ROW)
 
     @cute.jit
