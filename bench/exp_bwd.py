@@ -121,14 +121,14 @@ VARIANTS = {
     # sdQ under it, with the dQ tile split along the queries ("m", as FA4) or in turns.
     "tm128_m_first": {"tile_m": 128, "dq_split": "m", "dq_first": True},
     "tm128_alt_first": {"tile_m": 128, "dq_split": "alt", "dq_first": True},
-    # Session 23: dQaccum rows unpadded, one bulk reduce-add per row (BwdSm90Config.pad_dq_accum).
-    "unpadded": {"pad_dq_accum": False},
-    "unpadded_det": {"pad_dq_accum": False, "deterministic": True},
+    # Session 23: sdQ / dQaccum rows unpadded, sdQ swizzled (BwdSm90Config.swizzle_dq).
+    "swizzle_dq": {"swizzle_dq": True},
+    "swizzle_dq_det": {"swizzle_dq": True, "deterministic": True},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
 VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80", "talt_lse", "dq_overlap",
-                  "unpadded", "unpadded_det")
+                  "swizzle_dq", "swizzle_dq_det")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

@@ -216,7 +216,7 @@ def _fake_varlen_rows(cfg):
 
 
 def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                 pdl=False, pad_dq_accum=True, **pre_options):
+                 pdl=False, swizzle_dq=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -232,8 +232,8 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
         cfg = dataclasses.replace(cfg, tile_m=tile_m,
                                   dq_split="t" if tile_m == BWD_TILE_M80 else "m",
                                   stagger=False, early_lse_d=False)
-    if not pad_dq_accum:  # the dQaccum row stride (cfg.dq_row) is compiled in
-        cfg = dataclasses.replace(cfg, pad_dq_accum=False)
+    if swizzle_dq:  # unpadded dQaccum rows: the row stride (cfg.dq_row) is compiled in
+        cfg = dataclasses.replace(cfg, swizzle_dq=True)
     b, sq, h = cute.sym_int(), cute.sym_int(), cute.sym_int()
     if varlen:
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq),
@@ -247,8 +247,7 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
         args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
                 _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
                 _fake_dq_accum(b, h, sq_pad, cfg), *NO_VARLEN_Q)
-    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m, pdl, **pre_options), args,
-                          keep_cubin)
+    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m, pdl), args, keep_cubin)
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
@@ -311,7 +310,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                  pdl=False, dq_swizzle=False, **post_options):
+                  pdl=False, dq_swizzle=None):
     import cutlass
     import cutlass.cute as cute
 
@@ -332,9 +331,8 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
         varlen_args = NO_VARLEN_Q
     if tile_m is None:
         tile_m = BwdSm90Config.for_head_dim(d).tile_m
-    return compile_kernel(
-        FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle, **post_options),
-        (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
+    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle),
+                          (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
 def _get(key, build):
@@ -433,19 +431,19 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     cfg = _config(d, tuple(overrides.items()))
     tm, pdl = cfg.tile_m, cfg.pdl
     extra = tuple(sorted(overrides.items()))
-    pad = cfg.pad_dq_accum
-    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl, pad),
+    sw_dq = cfg.swizzle_dq
+    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl, sw_dq),
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
-                                    pad_dq_accum=pad))
+                                    swizzle_dq=sw_dq))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
                  extra),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
                                       deterministic=deterministic, varlen=varlen,
                                       persistent=persistent, **overrides))
-    post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, False),
+    post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, None),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
     sw = cfg.dq_swizzle
-    post_dq = post if not (varlen or sw) else _get(
+    post_dq = post if not varlen and sw is None else _get(
         ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw),
         lambda: _compile_post(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
                               dq_swizzle=sw))
@@ -470,7 +468,7 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
     tm, pdl = cfg_overrides.get("tile_m"), cfg_overrides.get("pdl", False)
     if kernel == "pre":
         compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen, tile_m=tm,
-                                pdl=pdl, pad_dq_accum=cfg_overrides.get("pad_dq_accum", True))
+                                pdl=pdl, swizzle_dq=cfg_overrides.get("swizzle_dq", False))
     elif kernel == "post":
         compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen,
                                  tile_m=tm, pdl=pdl)

@@ -2,6 +2,7 @@
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -294,6 +295,7 @@ BWD_WIDE_HEAD_DIMS = (192, 256)
 # fp32 padding per dQaccum row (global and shared): rows 8 banks apart make the MMA threads'
 # 8-byte stores of a dQ tile conflict-free, and rows stay 16-byte aligned for the bulk reduce.
 DQ_ROW_PAD = 8
+SWIZZLE_DQ_HEAD_DIMS = (64, 128)  # BwdSm90Config.swizzle_dq: power-of-two rows
 # BwdSm90Config.dq_first: widest dQ tile (columns per warpgroup) it compiles cleanly for; at
 # d=96 "alt" (96) and d=128 "alt" ptxas serialized the wgmma for lack of registers (C7512).
 DQ_FIRST_MAX_COLS = 64
@@ -443,30 +445,33 @@ class BwdSm90Config:
     # for its dK first: with dK's operands still live ptxas serialized every wgmma (C7512).
     # dq_turns only.
     dq_overlap: bool = False
-    # dQaccum's rows padded like sdQ's (DQ_ROW_PAD floats: sdQ's bank-conflict padding), so
-    # the dQ warp adds a block with one bulk reduction. False (session 23): unpadded rows of d
-    # floats, one bulk reduction per row; bwd_pre / bwd_post then stream rows aligned to 256 B
-    # (padded: 288 / 544 B apart, and both ran 6-12% slower than FA4's).
-    pad_dq_accum: bool = True
+    # sdQ and dQaccum rows unpadded (d floats), sdQ's stores kept conflict-free by an XOR
+    # swizzle of each row's 8-float groups (group g of row r at g ^ (r & 3)) instead of
+    # DQ_ROW_PAD floats per row; dQaccum holds the same order (one bulk reduce copies the
+    # tile) and bwd_post undoes it. bwd_pre / bwd_post then stream rows 256-byte aligned
+    # (padded: 288 / 544 bytes apart; on the H200 both ran 6-12% slower than FA4's, and
+    # session 23's per-row reduce into unpadded rows made post 9% faster). d = 64 / 128.
+    swizzle_dq: bool = False
 
     @property
     def dq_row(self) -> int:
         """Row stride (fp32 elements) of dQaccum in global memory."""
-        return self.head_dim + (self.dq_row_pad if self.pad_dq_accum else 0)
+        return self.head_dim + self.dq_row_pad
 
     @property
     def dq_row_pad(self) -> int:
         """fp32 padding per dQ row (dQaccum and sdQ). tile_m = 80: none. Its shared memory
         (sK, sV 32 KB each, sQ, sdO, 2 x sdS 40 KB each, sdQ 40 KB, LSE/D) fills 226 KB of the
         227 KB with unpadded rows (padded: 42.5 KB, over); its dQ^T stores are scalar and
-        transposed, kept conflict-free by a swizzle instead (dq_swizzle)."""
-        return 0 if self.dq_transposed else DQ_ROW_PAD
+        transposed, kept conflict-free by a swizzle instead (dq_swizzle); swizzle_dq: none."""
+        return 0 if self.dq_transposed or self.swizzle_dq else DQ_ROW_PAD
 
     @property
-    def dq_swizzle(self) -> bool:
-        """dQaccum's (and sdQ's) 8-float column groups permuted per row (kernels/sm90/bwd.py
-        DQT_SWIZZLE: group g of row r sits at g ^ ((r >> 1) & 3)); transposed dQ only."""
-        return self.dq_transposed
+    def dq_swizzle(self) -> Optional[int]:
+        """dQaccum's (and sdQ's) 8-float column groups permuted per row: group g of row r sits
+        at g ^ ((r >> shift) & 3); returns the shift (transposed dQ: 1, kernels/sm90/bwd.py
+        DQT_SWIZZLE; swizzle_dq: 0), None when the groups are in order."""
+        return 1 if self.dq_transposed else (0 if self.swizzle_dq else None)
 
     @property
     def dq_transposed(self) -> bool:
@@ -569,8 +574,11 @@ class BwdSm90Config:
                              f"layout or the persistent kernel; got dq_split "
                              f"{self.dq_split!r}, dq_first {self.dq_first}, wide {self.wide}, "
                              f"persistent {self.persistent}")
-        if not self.pad_dq_accum and self.wide:
-            raise ValueError("pad_dq_accum=False: the narrow kernel (d 64/96/128) only")
+        if self.swizzle_dq and (self.wide or self.dq_transposed or
+                                self.head_dim not in SWIZZLE_DQ_HEAD_DIMS):
+            raise ValueError(f"swizzle_dq: the narrow kernel's untransposed dQ tile at head_dim "
+                             f"in {SWIZZLE_DQ_HEAD_DIMS} (rows of 2^k floats) only, got head_dim "
+                             f"{self.head_dim}, dq_split {self.dq_split!r}, wide {self.wide}")
         if (self.do_stages or self.dq_per_turn) and not self.wide:
             raise ValueError("do_stages / dq_per_turn: wide layout (d 192/256) only")
         if self.v_with_do and self.wide:

@@ -219,22 +219,25 @@ def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, dq_first, tmp_path
 
 
 @pytest.mark.parametrize("d,causal,varlen,deterministic", [
-    (64, False, False, False), (64, True, True, True), (96, True, False, False),
-    (128, True, True, False)])
-def test_bwd_unpadded_dq_accum_compiles(d, causal, varlen, deterministic, tmp_path,
-                                        monkeypatch):
-    """cfg.pad_dq_accum=False (opt-in): ptxas-clean, and the dQ warp adds a block row by row
-    (one bulk reduction per query row of the tile instead of one per tile)."""
+    (64, False, False, False), (64, True, True, True), (128, True, False, False),
+    (128, True, True, False), (128, False, False, True)])
+def test_bwd_swizzled_dq_compiles(d, causal, varlen, deterministic, tmp_path, monkeypatch):
+    """cfg.swizzle_dq: ptxas-clean, sdQ's stores still 8 bytes wide (the swizzle moves whole
+    8-float groups) and as many as with padded rows, one bulk reduction per block."""
     monkeypatch.chdir(tmp_path)
-    ov = {"pad_dq_accum": False}
-    if not varlen:
-        ov.update(backward.batched_overrides(d, None, causal, 1024) or {})
-    ptx = backward.bwd_ptx(ARCH, "BFloat16", d, causal, False, deterministic=deterministic,
-                           varlen=varlen, **ov)
-    check_ptxas(ptx, tmp_path)
-    cfg = backward.bwd_config(d, ov)
-    assert cfg.dq_row == d
-    assert ptx.count("cp.reduce.async.bulk") == cfg.tile_m
+    base = {} if varlen else backward.batched_overrides(d, None, causal, 1024) or {}
+    if base.get("dq_split") == "talt":  # long non-causal d=128: already unpadded
+        base = {}
+    ov = {**base, "swizzle_dq": True}
+    assert backward.bwd_config(d, ov).dq_row == d
+    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, False,
+                                 deterministic=deterministic, varlen=varlen, **ov), tmp_path)
+    ops, ref = (sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, False,
+                                                deterministic, varlen=varlen, **o), tmp_path)
+                for o in (ov, base))
+    check_main_sass(ops)
+    assert ops.get("STS.64", 0) == ref.get("STS.64", 0) > 0
+    assert ops.get("UBLKRED", 0) == ref.get("UBLKRED", 0)
     ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, kernel="pre", varlen=varlen,
                                           **ov), tmp_path)
     assert ops.get("STL", 0) == 0 and ops.get("STG", 0) > 0
@@ -402,13 +405,15 @@ def test_dq_first_config_rejects_wide_dq_tiles():
             dataclasses.replace(BwdSm90Config.for_head_dim(d), dq_split=split, dq_first=True)
 
 
-def test_unpadded_dq_accum_config():
-    """pad_dq_accum=False: dQaccum rows of d floats (sdQ keeps its padding); narrow only."""
-    cfg = dataclasses.replace(BwdSm90Config.for_head_dim(64), pad_dq_accum=False)
-    assert cfg.dq_row == 64 and cfg.dq_row_pad > 0
-    assert BwdSm90Config.for_head_dim(64).dq_row == 64 + cfg.dq_row_pad
-    with pytest.raises(ValueError, match="pad_dq_accum"):
-        dataclasses.replace(BwdSm90Config.for_head_dim(256), pad_dq_accum=False)
+def test_swizzle_dq_config():
+    """swizzle_dq: unpadded sdQ / dQaccum rows with the group permutation of shift 0 (the
+    transposed tile's is 1); power-of-two rows of the narrow kernel only."""
+    cfg = dataclasses.replace(BwdSm90Config.for_head_dim(64), swizzle_dq=True)
+    assert (cfg.dq_row, cfg.dq_row_pad, cfg.dq_swizzle) == (64, 0, 0)
+    assert BwdSm90Config.for_head_dim(64).dq_swizzle is None
+    for d in (96, 256):
+        with pytest.raises(ValueError, match="swizzle_dq"):
+            dataclasses.replace(BwdSm90Config.for_head_dim(d), swizzle_dq=True)
 
 
 def test_bwd_host_rejects():
@@ -761,7 +766,7 @@ def test_batched_talt_overrides(monkeypatch):
     long_q = backward.BWD_TALT_MIN_SEQLEN_Q
     assert backward.batched_overrides(128, None, False, long_q) == backward.BATCHED_TALT
     cfg = backward.bwd_config(128, backward.BATCHED_TALT, False)
-    assert (cfg.tile_m, cfg.dq_split, cfg.stagger, cfg.dq_swizzle) == (80, "talt", True, True)
+    assert (cfg.tile_m, cfg.dq_split, cfg.stagger, cfg.dq_swizzle) == (80, "talt", True, 1)
     long_c = backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q
     assert backward.batched_overrides(128, None, True, long_c) == backward.BATCHED_TALT
     for causal, sq, pers in ((True, long_c - 1, False), (False, long_q - 1, False),

@@ -170,6 +170,16 @@ class FlashBwdSm90(DqWarp):
         self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
         self.v_with_do = cfg.v_with_do and not varlen  # varlen: see BwdSm90Config.v_with_do
 
+    def sdq_swizzle(self):
+        """(B, M, S) of sdQ's XOR swizzle (cfg.dq_swizzle): DQT_SWIZZLE for the transposed
+        tile; cfg.swizzle_dq: the 8-float group's low 2 bits (element offset bits 3-4) XOR the
+        row's low 2 bits (bits log2(d) and up: rows are d floats), so the 8 rows of a warp's
+        8-byte accumulator stores land on 4 different bank groups (2 wavefronts, the least
+        for 256 bytes)."""
+        if const_expr(self.cfg.dq_transposed):
+            return DQT_SWIZZLE
+        return (2, 3, self.cfg.sdq_cols.bit_length() - 1 - 3)
+
     @property
     def gqa(self) -> bool:
         """h != hk: dK / dV are then the fp32 per-query-head buffers bwd_post sums."""
@@ -380,9 +390,10 @@ class FlashBwdSm90(DqWarp):
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sLSE_layout)
         sD = storage.sD.get_tensor(sLSE_layout)
-        sdQ = storage.sdQ.get_tensor(
-            cute.make_composed_layout(cute.make_swizzle(*DQT_SWIZZLE), 0, sdQ_layout)
-            if const_expr(self.cfg.dq_swizzle) else sdQ_layout)
+        if const_expr(self.cfg.dq_swizzle is not None):
+            sdQ_layout = cute.make_composed_layout(cute.make_swizzle(*self.sdq_swizzle()), 0,
+                                                   sdQ_layout)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
 
         if const_expr(not self.lean_prologue):
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
@@ -608,8 +619,9 @@ class FlashBwdSm90(DqWarp):
                 tdQrdS = mma_dq.make_fragment_A(thr_dq.partition_A(transpose_mn(sdS)))
                 tdQrK = [mma_dq.make_fragment_B(thr_dq.partition_B(x)) for x in kt]
                 tdQrdQ = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
-                tdQsdQ = [thr_dq.partition_C(cute.local_tile(sdQ, (tm, chunk), (0, c)))
-                          for c in range(d // chunk)]
+                tdQsdQ = partial(self.sdq_chunks, mma_dq, sdQ, chunk)
+                if const_expr(not self.cfg.swizzle_dq):
+                    tdQsdQ = tdQsdQ(tidx)
         elif const_expr(self.cfg.dq_split == "t"):
             # This warpgroup's 64 rows (of d) of dQ^T = K^T dS^T over all tile_n keys; the
             # accumulator (d, queries) is stored transposed into sdQ's (query, d) rows, so the
@@ -918,6 +930,8 @@ class FlashBwdSm90(DqWarp):
             # the wait now overlaps both GEMMs.
             cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
             warpgroup.wait_group(DK_IN_FLIGHT)  # groups retire in order: dQ is done
+            if const_expr(callable(tdQsdQ)):  # cfg.swizzle_dq: sdq_chunks
+                tdQsdQ = tdQsdQ(opaque_thread_idx() - WG_THREADS)
             cute.autovec_copy(tdQrdQ, tdQsdQ[0])
         else:
             gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ, zero_init=False, wait_group=-1)
@@ -961,6 +975,8 @@ class FlashBwdSm90(DqWarp):
         issued first (an accumulator each), then waited on and stored in order, so a chunk's
         stores run under the next chunk's wgmma."""
         n = len(tdQrK)
+        if const_expr(callable(tdQsdQ)):  # cfg.swizzle_dq: sdq_chunks
+            tdQsdQ = tdQsdQ(opaque_thread_idx() - WG_THREADS)
         if const_expr(self.cfg.dq_overlap):
             # dK done first: with its operands still live, the second accumulator did not fit
             # and ptxas serialized every wgmma (C7512).
@@ -977,6 +993,14 @@ class FlashBwdSm90(DqWarp):
                 gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
                      wait_group=0)
                 cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+
+    def sdq_chunks(self, mma_dq: cute.TiledMma, sdQ: cute.Tensor, chunk: int, tidx: Int32):
+        """This thread's part of each dq_chunk-column slice of sdQ ("alt"). cfg.swizzle_dq
+        builds it per dQ turn (dq_to_smem) from an opaque thread index: its swizzled offsets
+        held across the block loop cost a spilled register at d=64."""
+        thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
+        return [thr_dq.partition_C(cute.local_tile(sdQ, (self.tile_m, chunk), (0, c)))
+                for c in range(self.d // chunk)]
 
     def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
         """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""

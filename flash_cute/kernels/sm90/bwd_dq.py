@@ -75,13 +75,7 @@ class DqWarp:
                     while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
                         pass
                     cute.arch.fence_proxy("async.global")  # acquire before the async adds
-                if const_expr(self.cfg.pad_dq_accum or self.cfg.dq_row_pad == 0):
-                    bulk_reduce_add_f32(gdQ.iterator, sdQ.iterator, tile_bytes)
-                else:  # sdQ's rows are padded, dQaccum's not: a reduction per row
-                    for row in cutlass.range_constexpr(tm):
-                        bulk_reduce_add_f32(gdQ.iterator + cute.crd2idx((row, 0), gdQ.layout),
-                                            sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout),
-                                            self.d * 4)
+                bulk_reduce_add_f32(gdQ.iterator, sdQ.iterator, tile_bytes)
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds have landed

@@ -22,9 +22,10 @@ of CTA timing and needs no zeroed accumulator. Thread mapping: one thread per 8-
 of one output row (16 bytes out, G x 32 bytes in), a flat 1-D grid; sizes and strides are
 runtime values, so one compile serves every shape of a (dtype, head dim).
 
-dQ of the 80-row tile (``dq_swizzle=True``, BwdSm90Config.dq_swizzle): the main kernel wrote
-each dQaccum row's 8-float groups permuted (group g of row r at g ^ ((r >> 1) & 3), r counted
-from a tile start, all multiples of 8), so a thread reads its vector from the permuted group.
+dQ of the 80-row tile and of BwdSm90Config.swizzle_dq (``dq_swizzle`` = s, BwdSm90Config.
+dq_swizzle): the main kernel wrote each dQaccum row's 8-float groups permuted (group g of row
+r at g ^ ((r >> s) & 3), r counted from a tile start, all multiples of 8), so a thread reads
+its vector from the permuted group.
 
 PDL (``pdl=True``, kernels/sm90/pdl.py): launched as a programmatic dependent of the kernel
 before it (the main kernel, or this one for the GQA sums), so every thread waits for that
@@ -47,10 +48,10 @@ VEC = 8  # elements per thread: 16 bytes of 2-byte output, two 16-byte fp32 load
 
 class FlashBwdPostSm90:
     def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
-                 pdl: bool = False, dq_swizzle: bool = False):
+                 pdl: bool = False, dq_swizzle: Optional[int] = None):
         """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
-        launched as the programmatic dependent of the kernel before it. ``dq_swizzle``: the
-        accumulator's column groups are permuted per row (module docstring)."""
+        launched as the programmatic dependent of the kernel before it. ``dq_swizzle``: None, or
+        the row shift of the accumulator's permuted column groups (module docstring)."""
         if head_dim % VEC != 0:
             raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
         self.dtype = dtype
@@ -147,4 +148,6 @@ class FlashBwdPostSm90:
 
     def src_col(self, col, row):
         """The accumulator's vector index holding output vector ``col`` of ``row``."""
-        return col ^ ((row >> 1) & 3) if const_expr(self.dq_swizzle) else col
+        if const_expr(self.dq_swizzle is None):
+            return col
+        return col ^ ((row >> self.dq_swizzle) & 3)
