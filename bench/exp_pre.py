@@ -42,6 +42,9 @@ def main():
                      for _ in range(2))
             lse = torch.randn(b, h, s, device="cuda") + 5
             fns, rows = {}, {}
+            if backward.bwd_config(d, backward.batched_overrides(d, None, False, s)).dq_row == d:
+                print(f"d={d} s={s}: the shipped tile's dQaccum rows are unpadded already")
+                continue
             for name, ov in LAYOUTS.items():
                 cfg, pre, post = kernels(d, s, ov)
                 sq_pad = -(-s // cfg.tile_m) * cfg.tile_m

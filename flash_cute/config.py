@@ -449,8 +449,10 @@ class BwdSm90Config:
     # swizzle of each row's 8-float groups (group g of row r at g ^ (r & 3)) instead of
     # DQ_ROW_PAD floats per row; dQaccum holds the same order (one bulk reduce copies the
     # tile) and bwd_post undoes it. bwd_pre / bwd_post then stream rows 256-byte aligned
-    # (padded: 288 / 544 bytes apart; on the H200 both ran 6-12% slower than FA4's, and
-    # session 23's per-row reduce into unpadded rows made post 9% faster). d = 64 / 128.
+    # (padded: 288 / 544 bytes apart). d = 64 / 128 (power-of-two rows). H200, session 23
+    # (bench/exp_pre.py, bench/exp_bwd.py default swizzle_dq): post 55-57 -> 50-51 us and pre
+    # 74-77 -> 72-75 us at d=64, the whole backward +1..+2% at s=1k, within +-1% at 4k and
+    # -11% at d=64 causal 16k in one run (a high read of the default): off until re-timed.
     swizzle_dq: bool = False
 
     @property

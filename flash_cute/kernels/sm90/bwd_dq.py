@@ -1,19 +1,143 @@
-"""The dQ warp of the SM90 backward (bwd.py; bwd_wide.py overrides the per-tile part): it adds
-each query block's fp32 dQ tile from shared memory (sdQ) into dQaccum with one TMA bulk
-reduce-add, handing sdQ back and forth with the mma warpgroups through named barriers."""
+"""The dQ tile of the SM90 backward (bwd.py; bwd_wide.py overrides the dQ warp's per-tile part):
+the mma warpgroups' side (dQ = dS K in registers, then to shared memory, sdQ, in the orders
+cfg.dq_split / dq_first / stagger choose) and the dQ warp, which adds each query block's fp32
+sdQ tile into dQaccum with one TMA bulk reduce-add, handing sdQ back and forth with the mma
+warpgroups through named barriers."""
 from functools import partial
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
 
-from .bwd_types import DQ_THREADS, DQ_TURN_THREADS, Barrier, KeyTile, parity_barrier
+from ..common.layout import opaque_thread_idx
+from .bwd_types import (DQ_THREADS, DQ_TURN_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, KeyTile,
+                        parity_barrier)
 from .pipelines import bulk_reduce_add_f32
+from .wgmma import gemm
+
+DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ tile is read
+# dq_split "t" / "talt": a warp's transposed dQ^T store writes 8 d-columns x 4 query rows 2
+# apart; with 128-float rows these share banks (4-way). XOR-ing d's bits 3-4 with the query's
+# bits 1-2 (element offset bits 8-9 into 3-4) spreads them over 32 banks. A layout swizzle (on
+# the offset in sdQ), not a pointer one (on the address: would need sdQ 4 KB-aligned).
+# dQaccum holds the same order (the bulk reduce copies bytes); bwd_post undoes it
+# (BwdSm90Config.dq_swizzle).
+DQT_SWIZZLE = (2, 3, 5)
 
 
 class DqWarp:
-    """The dQ warp's role methods, mixed into FlashBwdSm90 (they read its configuration:
-    tile_m, d, cfg, varlen, deterministic, persistent, and walk its tiles with each_tile)."""
+    """The dQ tile's methods, mixed into FlashBwdSm90 (they read its configuration: tile_m, d,
+    cfg, varlen, deterministic, persistent, and walk its tiles with each_tile): the mma
+    warpgroups' dQ GEMMs and sdQ stores, then the dQ warp's role."""
+
+    def sdq_swizzle(self):
+        """(B, M, S) of sdQ's XOR swizzle (cfg.dq_swizzle): DQT_SWIZZLE for the transposed
+        tile; cfg.swizzle_dq: the 8-float group's low 2 bits (element offset bits 3-4) XOR the
+        row's low 2 bits (bits log2(d) and up: rows are d floats), so the 8 rows of a warp's
+        8-byte accumulator stores land on 4 different bank groups (2 wavefronts, the least
+        for 256 bytes)."""
+        if const_expr(self.cfg.dq_transposed):
+            return DQT_SWIZZLE
+        return (2, 3, self.cfg.sdq_cols.bit_length() - 1 - 3)
+
+
+    @cute.jit
+    def dq_then_dk(self, tdKrdK: cute.Tensor, tdKrdS: cute.Tensor, tdKrQ: cute.Tensor,
+                   mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma, tdQrdQ: cute.Tensor,
+                   tdQrdS: cute.Tensor, tdQrK, tdQsdQ, wg: Int32, step: Int32):
+        """``cfg.dq_first``: the block's last two GEMMs, dQ before dK, so the dQ tile's stores
+        to sdQ, its fence and the DQ_FULL arrive run while dK's wgmma still does; by default
+        they wait behind dK. The dQ tile is one chunk of <= 64 columns per warpgroup (config
+        check: wider ones, d=96 "alt" and d=128 "alt", made ptxas serialize the wgmma,
+        C7512). ``tdKrQ`` / ``tdQrdS`` are this block's stage and sdS buffer. Returns with no
+        wgmma in flight (dK read sQ: the caller releases the stage next)."""
+        # One branch holding both GEMMs of the dQ warpgroup: with the dQ issue and the dQ
+        # reads in two branches ("alt"), ptxas sees accumulators read while their wgmma may
+        # still run and serializes (C7514).
+        if wg == step % NUM_MMA_WG or const_expr(not self.cfg.dq_turns):
+            gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[0]), zero_init=True,
+                 wait_group=-1)
+            gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ, zero_init=False, wait_group=-1)
+            # sdQ is free once the dQ warp's bulk reduce of the previous block has read it;
+            # the wait now overlaps both GEMMs.
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+            warpgroup.wait_group(DK_IN_FLIGHT)  # groups retire in order: dQ is done
+            if const_expr(callable(tdQsdQ)):  # cfg.swizzle_dq: sdq_chunks
+                tdQsdQ = tdQsdQ(opaque_thread_idx() - WG_THREADS)
+            cute.autovec_copy(tdQrdQ, tdQsdQ[0])
+        else:
+            gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ, zero_init=False, wait_group=-1)
+            cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
+        warpgroup.wait_group(0)  # dK (reads sQ) done before the stage goes back
+
+    @cute.jit
+    def staggered_dq(self, mma_dq: cute.TiledMma, tdQrdQ: cute.Tensor, tdQrdS: cute.Tensor,
+                     tdQrK, tdQsdQ, wg: Int32, step: Int32):
+        """``cfg.stagger`` ("alt"): after this warpgroup's dK issue and dS^T stores. The
+        warpgroup with the dQ turn waits for the other's dS^T rows, computes the whole dQ tile
+        in chunks and hands it to the dQ warp; the other only arrives and moves on to the next
+        block, so its GEMMs queue behind this one's. Returns with no wgmma in flight (dK
+        read sQ: the caller releases the stage next)."""
+        if wg == step % NUM_MMA_WG:
+            cute.arch.barrier(barrier_id=parity_barrier(Barrier.DS_READY, Barrier.DS_READY_ODD,
+                                                        step),
+                              number_of_threads=NUM_MMA_WG * WG_THREADS)
+            # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
+            cute.arch.barrier(barrier_id=parity_barrier(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD,
+                                                        step),
+                              number_of_threads=DQ_TURN_THREADS)
+            self.dq_to_smem(mma_dq, tdQrdQ, tdQrdS, tdQrK, tdQsdQ)  # also waits for dK
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+            cute.arch.barrier_arrive(barrier_id=parity_barrier(Barrier.DQ_FULL,
+                                                               Barrier.DQ_FULL_ODD, step),
+                                     number_of_threads=DQ_TURN_THREADS)
+        else:
+            cute.arch.barrier_arrive(barrier_id=parity_barrier(Barrier.DS_READY,
+                                                               Barrier.DS_READY_ODD, step),
+                                     number_of_threads=NUM_MMA_WG * WG_THREADS)
+            warpgroup.wait_group(0)  # dK (reads sQ) done before the stage goes back
+
+    @cute.jit
+    def dq_to_smem(self, mma_dq: cute.TiledMma, tdQrdQ: cute.Tensor, tdQrdS: cute.Tensor, tdQrK,
+                   tdQsdQ):
+        """dQ = dS K chunk by chunk, each waited on (with every wgmma before it) and stored to
+        its columns of sdQ. ``tdQrdS``: this block's sdS buffer. cfg.dq_overlap: every chunk
+        issued first (an accumulator each), then waited on and stored in order, so a chunk's
+        stores run under the next chunk's wgmma."""
+        n = len(tdQrK)
+        if const_expr(callable(tdQsdQ)):  # cfg.swizzle_dq: sdq_chunks
+            tdQsdQ = tdQsdQ(opaque_thread_idx() - WG_THREADS)
+        if const_expr(self.cfg.dq_overlap):
+            # dK done first: with its operands still live, the second accumulator did not fit
+            # and ptxas serialized every wgmma (C7512).
+            warpgroup.wait_group(0)
+            accs = [tdQrdQ] + [cute.make_rmem_tensor_like(tdQrdQ) for _ in range(1, n)]
+            for c in cutlass.range_constexpr(n):
+                gemm(mma_dq, accs[c], *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
+                     wait_group=-1)
+            for c in cutlass.range_constexpr(n):
+                warpgroup.wait_group(n - 1 - c)  # groups retire in order: chunk c is done
+                cute.autovec_copy(accs[c], tdQsdQ[c])
+        else:
+            for c in cutlass.range_constexpr(n):
+                gemm(mma_dq, tdQrdQ, *self.dq_operands(tdQrdS, tdQrK[c]), zero_init=True,
+                     wait_group=0)
+                cute.autovec_copy(tdQrdQ, tdQsdQ[c])
+
+    def sdq_chunks(self, mma_dq: cute.TiledMma, sdQ: cute.Tensor, chunk: int, tidx: Int32):
+        """This thread's part of each dq_chunk-column slice of sdQ ("alt"). cfg.swizzle_dq
+        builds it per dQ turn (dq_to_smem) from an opaque thread index: its swizzled offsets
+        held across the block loop cost a spilled register at d=64."""
+        thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
+        return [thr_dq.partition_C(cute.local_tile(sdQ, (self.tile_m, chunk), (0, c)))
+                for c in range(self.d // chunk)]
+
+    def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
+        """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""
+        return (rK, rdS) if const_expr(self.cfg.dq_transposed) else (rdS, rK)
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
