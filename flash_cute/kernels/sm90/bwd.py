@@ -106,7 +106,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, pdl
-from .bwd_dq import DqWarp
+from .bwd_dq import DqTile
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
                         LoadOperands, PersistentTiles)
 from .epilogue import store_acc_rows, store_staged
@@ -122,7 +122,7 @@ STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV T
 AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself (to_16bit)
 
 
-class FlashBwdSm90(DqWarp):
+class FlashBwdSm90(DqTile):
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
     uniform_dq_desc = False  # see __init__
 

@@ -26,7 +26,7 @@ DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ 
 DQT_SWIZZLE = (2, 3, 5)
 
 
-class DqWarp:
+class DqTile:
     """The dQ tile's methods, mixed into FlashBwdSm90 (they read its configuration: tile_m, d,
     cfg, varlen, deterministic, persistent, and walk its tiles with each_tile): the mma
     warpgroups' dQ GEMMs and sdQ stores, then the dQ warp's role."""
