@@ -123,6 +123,14 @@ VARIANTS = {
     # A third K/V stage for d=64's three-warpgroup tile (Q 24 KB + 3 x 32 KB fits).
     "ship_s3": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "kv_stages": 3}
                                      if d == 64 else None),
+    # Session 23: Q's A operand in registers for S = Q K^T (FwdSm90Config.q_in_regs; spills at
+    # d=64's 160-register consumers, so d=96 / 128 only; d=128 causal is spill-free with the
+    # packed P conversion only, so "ship_packed" is its control).
+    "ship_qregs": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "q_in_regs": True,
+                                         **({"packed_p_cvt": True} if d == 128 else {})}
+                                        if d in (96, 128) else None),
+    "ship_packed": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "packed_p_cvt": True}
+                                         if d == 128 else None),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),
@@ -162,6 +170,8 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "d64": [(64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)],
     "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),
                (128, 16384, False), (128, 1024, True), (96, 1024, True)],
+    "qregs": [(128, 1024, False), (128, 4096, False), (128, 16384, False), (128, 1024, True),
+              (128, 4096, True), (128, 16384, True), (96, 4096, False), (96, 16384, True)],
 }
 ROUNDS = 5
 CHECK_CTAS = 7

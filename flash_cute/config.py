@@ -61,6 +61,12 @@ class FwdSm90Config:
     # FMULs per row pair and block) behind one vote. Long rows of random scores then rescale
     # O in their first blocks only.
     lazy_rescale: bool = False
+    # Experiment (session 23, not yet timed): S = Q K^T with Q's A operand in registers
+    # (ldmatrix once per tile) instead of read from shared memory by every QK^T wgmma: fewer
+    # shared-memory bytes per score, and the loop no longer builds Q's wgmma descriptors
+    # (at d=64 ~15 uniform-datapath instructions of a warp's ~430 per block; ncu put ours
+    # 65M uniform instructions above FA4's at d=64 s=16k).
+    q_in_regs: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg not in (2, 3):

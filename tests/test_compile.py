@@ -82,6 +82,25 @@ def test_fwd_variant_compiles(dtype, d, causal, cfg, tmp_path, monkeypatch):
     assert_wgmma_not_serialized(ops)
 
 
+@pytest.mark.parametrize("d,causal,cfg", [
+    (128, False, {"persistent": True, "own_o": True, "packed_p_cvt": True}),
+    (128, True, {"persistent": True, "dynamic": True, "own_o": True, "packed_p_cvt": True}),
+    (96, True, {"persistent": True, "dynamic": True, "own_o": True})])
+def test_fwd_q_in_regs_compiles(d, causal, cfg, tmp_path, monkeypatch):
+    """FwdSm90Config.q_in_regs (opt-in): Q loaded once per tile with ldmatrix, the QK^T wgmma
+    reads it from registers: as many HGMMA, spill-free, not serialized, fewer uniform-datapath
+    instructions (no Q descriptors in the loop)."""
+    monkeypatch.chdir(tmp_path)
+    ops, ref = (sass_opcodes(fwd_cubin("BFloat16", d, causal, cfg=tuple(sorted(c.items()))),
+                             tmp_path) for c in ({**cfg, "q_in_regs": True}, cfg))
+    assert ops.get("LDSM", 0) > 0 and ref.get("LDSM", 0) == 0
+    assert ops.get("HGMMA", 0) == ref.get("HGMMA", 0)
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, f"local-memory spills: {ops}"
+    uniform = lambda o: sum(n for k, n in o.items() if k[0] == "U" and "." not in k)  # noqa
+    assert uniform(ops) < uniform(ref), (uniform(ops), uniform(ref))
+    assert_wgmma_not_serialized(ops)
+
+
 @pytest.mark.parametrize("d,causal", [(64, True), (128, True)])
 def test_fwd_dynamic_ptxas_report(d, causal, tmp_path, monkeypatch):
     """ptxas itself on the dynamic persistent order (3 and 2 consumer warpgroups): no spills,

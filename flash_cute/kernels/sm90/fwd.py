@@ -108,7 +108,7 @@ import cutlass.memory
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...config import FwdSm90Config
 from ..common import block_info, scheduler
@@ -189,7 +189,9 @@ class FlashFwdSm90:
 
         mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tn))
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tn),
+            a_source=warpgroup.OperandSource.RMEM if const_expr(self.cfg.q_in_regs)
+            else warpgroup.OperandSource.SMEM)
         mma_pv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d),
@@ -470,7 +472,10 @@ class FlashFwdSm90:
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         wg_mma_qk = mma_qk.get_slice(wg * WG_THREADS)
         wg_mma_pv = mma_pv.get_slice(wg * WG_THREADS)
-        tSrQ = mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        if const_expr(self.cfg.q_in_regs):
+            tSrQ = mma_qk.make_fragment_A(wg_mma_qk.partition_shape_A((self.tile_m, self.d)))
+        else:
+            tSrQ = mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrV = mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_mn(sV)))
         tSrS = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
@@ -485,6 +490,12 @@ class FlashFwdSm90:
 
         # First block (the last key block): always masked, no P V yet.
         pipe_q.consumer_wait(q)
+        if const_expr(self.cfg.q_in_regs):  # this warpgroup's Q rows, once per tile
+            load_q = cute.make_tiled_copy_A(
+                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                    self.dtype), mma_qk)
+            thr_load_q = load_q.get_slice(tidx)
+            cute.copy(load_q, thr_load_q.partition_S(sQ), thr_load_q.retile(tSrQ))
         pipe_k.consumer_wait(kv)
         gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait_group=0)
         pipe_k.consumer_release(kv)
