@@ -491,11 +491,7 @@ class FlashFwdSm90:
         # First block (the last key block): always masked, no P V yet.
         pipe_q.consumer_wait(q)
         if const_expr(self.cfg.q_in_regs):  # this warpgroup's Q rows, once per tile
-            load_q = cute.make_tiled_copy_A(
-                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
-                                    self.dtype), mma_qk)
-            thr_load_q = load_q.get_slice(tidx)
-            cute.copy(load_q, thr_load_q.partition_S(sQ), thr_load_q.retile(tSrQ))
+            self.load_q(mma_qk, sQ, tSrQ)
         pipe_k.consumer_wait(kv)
         gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait_group=0)
         pipe_k.consumer_release(kv)
@@ -596,6 +592,18 @@ class FlashFwdSm90:
         else:
             rescale_rows(tOrO, row_scale, self.cfg.lazy_rescale)
         return kv
+
+    def load_q(self, mma_qk: cute.TiledMma, sQ: cute.Tensor, tSrQ: cute.Tensor):
+        """cfg.q_in_regs: this thread's share of its warpgroup's Q rows, sQ -> registers in
+        the QK^T wgmma's A layout (ldmatrix), once per tile. The thread index is read afresh
+        (opaque): its shared-memory addresses are rebuilt here, not held across the tiles.
+        (Refilling Q before every QK^T instead, so that it is live only while the QK^T runs,
+        still spilled 6 words at d=64.)"""
+        load = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                self.dtype), mma_qk)
+        thr = load.get_slice(opaque_thread_idx() - WG_THREADS)
+        cute.copy(load, thr.partition_S(sQ), thr.retile(tSrQ))
 
     @cute.jit
     def zero_v_tail(self, sV: cute.Tensor, pipe_v, kv, n_max: Int32, seqlen_k: Int32,
