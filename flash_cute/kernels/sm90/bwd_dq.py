@@ -63,9 +63,7 @@ class DqTile:
             # the wait now overlaps both GEMMs.
             cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
             warpgroup.wait_group(DK_IN_FLIGHT)  # groups retire in order: dQ is done
-            if const_expr(callable(tdQsdQ)):  # cfg.swizzle_dq: sdq_chunks
-                tdQsdQ = tdQsdQ(opaque_thread_idx() - WG_THREADS)
-            cute.autovec_copy(tdQrdQ, tdQsdQ[0])
+            cute.autovec_copy(tdQrdQ, self.sdq_slices(tdQsdQ)[0])
         else:
             gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ, zero_init=False, wait_group=-1)
             cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
@@ -108,8 +106,7 @@ class DqTile:
         issued first (an accumulator each), then waited on and stored in order, so a chunk's
         stores run under the next chunk's wgmma."""
         n = len(tdQrK)
-        if const_expr(callable(tdQsdQ)):  # cfg.swizzle_dq: sdq_chunks
-            tdQsdQ = tdQsdQ(opaque_thread_idx() - WG_THREADS)
+        tdQsdQ = self.sdq_slices(tdQsdQ)
         if const_expr(self.cfg.dq_overlap):
             # dK done first: with its operands still live, the second accumulator did not fit
             # and ptxas serialized every wgmma (C7512).
@@ -134,6 +131,11 @@ class DqTile:
         thr_dq = mma_dq.get_slice(tidx % WG_THREADS)
         return [thr_dq.partition_C(cute.local_tile(sdQ, (self.tile_m, chunk), (0, c)))
                 for c in range(self.d // chunk)]
+
+    def sdq_slices(self, tdQsdQ):
+        """The thread's sdQ slices as the mma role built them (a list), or with cfg.swizzle_dq
+        (a partial of sdq_chunks) built here, at the dQ store."""
+        return tdQsdQ(opaque_thread_idx() - WG_THREADS) if callable(tdQsdQ) else tdQsdQ
 
     def dq_operands(self, rdS: cute.Tensor, rK: cute.Tensor):
         """(A, B) of the dQ wgmma: (dS, K) for dQ = dS K, (K^T, dS^T) for "t" (dQ^T)."""

@@ -23,11 +23,12 @@ padding rules as above.
 
 Thread mapping: 128 threads per CTA, ROWS_PER_CTA = 32 rows per pass (batched:
 BATCHED_PASSES passes per CTA), THREADS_PER_ROW = 4 consecutive lanes per row; the row's dot
-product is a 4-lane butterfly reduction. The four lanes of a row interleave their 16-byte vectors (lane p owns vectors p, p + 4, ...), so each load or store
-instruction of a warp covers 64 contiguous bytes per row: whole 32-byte sectors. (Owning d/4
-contiguous elements instead gave each instruction 16-byte pieces 64 or 128 bytes apart, half
-sectors: 147 us vs FA4's 84 us at 16k tokens, 16 heads, d = 128 under ncu.) Memory-bound: it
-reads dO and O once (4 * s * h * d bytes) and writes dQaccum once (4 * s * h * d bytes).
+product is a 4-lane butterfly reduction. The four lanes of a row interleave their 16-byte
+vectors (lane p owns vectors p, p + 4, ...), so each load or store instruction of a warp
+covers 64 contiguous bytes per row: whole 32-byte sectors. (Owning d/4 contiguous elements
+instead gave each instruction 16-byte pieces 64 or 128 bytes apart, half sectors: 147 us vs
+FA4's 84 us at 16k tokens, 16 heads, d = 128 under ncu.) Memory-bound: it reads dO and O once
+(4 * s * h * d bytes) and writes dQaccum once (4 * s * h * d bytes).
 
 PDL (``pdl=True``, kernels/sm90/pdl.py): a plain launch that lets the main kernel start after
 its O / dO loads; the main kernel waits for its completion before reading its outputs.
@@ -49,7 +50,9 @@ THREADS_PER_ROW = 4                    # a quad: the row reduction is two shuffl
 ROWS_PER_CTA = THREADS // THREADS_PER_ROW
 # Batched: 32-row passes per CTA by head dim (default 1). Two at d=128, 64 rows per CTA with 16
 # loads per thread in flight: 72 vs 76-78 us at 16k tokens x 16 heads on the H200 (session 23,
-# bench/exp_pre.py); at d=64 two passes measured 1-2% slower.
+# bench/exp_pre.py as of commit c105510, timing a form of the two passes with predicated
+# instead of branched loads; the SASS of both issues every load before any store); at d=64
+# two passes measured 1-2% slower.
 BATCHED_PASSES = {128: 2}
 VEC_BYTES = 16                         # one vector load / store per thread and instruction
 LOG2E = math.log2(math.e)
