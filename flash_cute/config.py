@@ -61,11 +61,10 @@ class FwdSm90Config:
     # FMULs per row pair and block) behind one vote. Long rows of random scores then rescale
     # O in their first blocks only.
     lazy_rescale: bool = False
-    # Experiment (session 23, not yet timed): S = Q K^T with Q's A operand in registers
-    # (ldmatrix once per tile) instead of read from shared memory by every QK^T wgmma: fewer
-    # shared-memory bytes per score, and the loop no longer builds Q's wgmma descriptors
-    # (at d=64 ~15 uniform-datapath instructions of a warp's ~430 per block; ncu put ours
-    # 65M uniform instructions above FA4's at d=64 s=16k).
+    # S = Q K^T with Q's A operand in registers (ldmatrix once per tile) instead of read from
+    # shared memory by every QK^T wgmma: fewer shared-memory bytes per score, and the loop no
+    # longer builds Q's wgmma descriptors. Shipped at d=128 (PERSISTENT_FWD, session 24: +1..2%
+    # over packed P); d=96 lost 4-8%; d=64's 160-register consumers spill with it.
     q_in_regs: bool = False
 
     def __post_init__(self):
@@ -124,8 +123,15 @@ EARLY_RESCALE = {"early_rescale": True}
 LAZY = {"lazy_rescale": True}
 # d=64's varlen causal walk (own_o, dynamic) spilled 2 words with it (tests/test_compile.py).
 LAZY_BATCHED_ONLY_HEAD_DIMS = (64,)
+# Session 24 (bench/exp_fwd.py --shapes qregs --variants ship ship_packed ship_qregs, H200,
+# TFLOP/s ship / packed P / packed P + Q in registers): d=128 causal 1k 494 / 500 / 502, 4k 604 /
+# 631 / 636, 16k 659 / 687 / 698; non-causal (packed already) 1k 643 / - / 643, 4k 661 / - /
+# 663, 16k 685 / - / 696. d=96 lost 4-8% with Q in registers (524 vs 567 at 4k): d=128 only,
+# with OWN_O's 128-key blocks (176-key blocks spill with it).
+QREGS = {"q_in_regs": True}
+QREGS_HEAD_DIMS = (128,)
 PERSISTENT_FWD = {(64, False): {}, (64, True): LAZY, (96, False): {}, (96, True): {},
-                  (128, False): {**PACKED, "tile_n": 176}, (128, True): {},
+                  (128, False): {**PACKED, "tile_n": 176}, (128, True): PACKED,
                   (192, False): PACKED, (192, True): {**PACKED, **EARLY_RESCALE},
                   (256, False): {**PACKED, **EARLY_RESCALE},
                   (256, True): {**PACKED, **EARLY_RESCALE}}
@@ -193,7 +199,9 @@ def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool 
     applies to the persistent kernel only; varlen drops lazy_rescale where it spilled
     (LAZY_BATCHED_ONLY_HEAD_DIMS)."""
     base = persistent_fwd_overrides(d, causal, dynamic) if persistent else {}
-    out = {**base, **(OWN_O if own_o and persistent else {}),
+    own_o = own_o and persistent
+    out = {**base, **(OWN_O if own_o else {}),
+           **(QREGS if own_o and d in QREGS_HEAD_DIMS else {}),
            **(NARROW_FWD[d] if narrow else {})}
     if varlen and d in LAZY_BATCHED_ONLY_HEAD_DIMS:
         out["lazy_rescale"] = False
