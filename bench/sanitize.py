@@ -94,11 +94,17 @@ CASES = {
                             check(64, True, 900, 900, persistent="dyn:ctas=5", backward=False),
                             check(128, False, 300, 300, backward=False),
                             check_varlen(64, False)),
+    # d=128's persistent walks with Q in registers (cfg.q_in_regs, session 24): the early Q
+    # release after the ldmatrix, static and dynamic, 5 CTAs, forward only; and varlen (with
+    # its backward: racecheck's reports there are the backward's dQ hand-off, session 6).
+    "fwd_qregs": lambda: (check(128, False, 900, 700, persistent="ctas=5", backward=False),
+                          check(128, True, 900, 900, persistent="dyn:ctas=5", backward=False),
+                          check_varlen(128, True)),
     "varlen128c": lambda: check_varlen(128, True),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
-           "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "varlen128c")
+           "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "fwd_qregs", "varlen128c")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:

@@ -33,9 +33,9 @@ consumers scan the lengths once, the load warp per tile), and the consumers' own
 free sO (own_o: a consumer barrier before the next tile's sO writes; aliased: the storing
 warp releases Q after one). The next tile's first K block loads under this tile's epilogue.
 Its Q: with ``cfg.own_o`` (config.fwd_own_o: d <= 128, per call) sO is a buffer of its own,
-the consumers release Q once the tile's last QK^T has completed, and the next Q loads under
-the last P V and the epilogue; otherwise sO aliases sQ and Q waits until the O store has
-read sO.
+the consumers release Q once the tile's last QK^T has completed (``cfg.q_in_regs``: once
+their ldmatrix has read it, at the tile's start), and the next Q loads under the last P V and
+the epilogue; otherwise sO aliases sQ and Q waits until the O store has read sO.
 
 Dynamic (``cfg.dynamic``, on top of persistent): a CTA's first tile is blockIdx.x; then the
 load warp claims each next tile from a global counter (scheduler.claim_tile: lane 0 does
@@ -59,7 +59,8 @@ empty barrier = one arrive per consumer warp):
     pipe_q  load -> 4n consumer warps, 1 stage  (persistent: released by warp 4 alone, once its
                                                  TMA store of O has read sO, varlen once every
                                                  consumer's row stores have; own_o: by every
-                                                 consumer warp after the last QK^T)
+                                                 consumer warp after the last QK^T, or
+                                                 after its Q ldmatrix with q_in_regs)
     pipe_k  load -> 4n consumer warps, kv_stages
     pipe_v  load -> 4n consumer warps, kv_stages  (separate from K so QK^T starts before V lands)
 
@@ -492,6 +493,8 @@ class FlashFwdSm90:
         pipe_q.consumer_wait(q)
         if const_expr(self.cfg.q_in_regs):  # this warpgroup's Q rows, once per tile
             self.load_q(mma_qk, sQ, tSrQ)
+            if const_expr(self.cfg.own_o):  # sQ read: the next tile's Q may land now
+                pipe_q.consumer_release(q)
         pipe_k.consumer_wait(kv)
         gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait_group=0)
         pipe_k.consumer_release(kv)
@@ -519,7 +522,7 @@ class FlashFwdSm90:
             kv = self.mma_block(n_unmasked_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
                                 tSrQ, tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, None)
 
-        if const_expr(self.cfg.own_o):
+        if const_expr(self.cfg.own_o and not self.cfg.q_in_regs):
             pipe_q.consumer_release(q)  # every QK^T of the tile has completed
         # Last P V.
         if const_expr(self.cfg.early_rescale):
