@@ -114,7 +114,7 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
 
 
 def _fake_tile_counter():
-    """The dynamic forward's tile counter: one int32 (dispatch.fwd passes a zeroed one)."""
+    """The dynamic forward's tile counter: one int32 (tile_counter)."""
     import cutlass
     import cutlass.cute as cute
     return cute.runtime.make_fake_tensor(cutlass.Int32, (1,), (1,), assumed_align=4)
@@ -268,17 +268,27 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     sections = l2_sections(sk, d, q.element_size(), b * h, -(-sq // fwd_tile_m(d, narrow)),
                            ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           *sections, *NO_VARLEN, ctas, new_tile_counter(q.device) if dynamic else None)
+           *sections, *NO_VARLEN, ctas, tile_counter(q.device) if dynamic else None)
     return out, lse
 
 
-def new_tile_counter(device):
-    """A zeroed tile counter for one launch of the dynamic forward. A fresh one per call rather
-    than one buffer the kernel resets: no host sync, stream-ordered (the zero lands before the
-    kernel, the caching allocator reuses it only after), safe with concurrent streams and
-    CUDA graphs (captured as a memset node), and an aborted launch cannot leave it dirty. Its
-    cost, one small memset, is nothing next to the multi-wave launches that run this kernel."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+_TILE_COUNTERS = {}  # (device index, stream handle) -> counter
+
+
+def tile_counter(device):
+    """The dynamic forward's tile counter for torch's current stream on ``device``, zero at
+    launch: zeroed once, then zeroed again by each launch's last claim (scheduler.claim_tile),
+    so a call pays no memset. One per stream: launches on one stream run in order, so they
+    never share it at once; concurrent streams each have their own. Under CUDA graph capture
+    a fresh zeroed one per call (its memset is captured with the launch, and no cached buffer
+    is handed to the graph's private memory pool)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
@@ -315,7 +325,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
                                 fwd_l2_budget(causal))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            section, None, cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
-           new_tile_counter(q.device) if dynamic else None)
+           tile_counter(q.device) if dynamic else None)
     return out, lse
 
 

@@ -277,14 +277,28 @@ def test_forward_on_side_stream():
 def test_forward_dynamic_tile_order(d, causal, monkeypatch):
     """The dynamic persistent order (atomic tile counter) runs every tile once, as the static
     walk does (same config, so bitwise equal): with few CTAs, more CTAs than tiles, repeated
-    launches, and CUDA graph replays (the zeroed counter is captured with the launch)."""
+    launches (the last CTA leaves the stream's counter zero for the next), back-to-back
+    launches on two streams (a counter each), and CUDA graph replays (a fresh zeroed counter
+    captured with the launch)."""
     q, k, v = qkv_inputs(3, 700, 700, 5, 5, d, seed=21)
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "ctas=7")
     expected, _ = run_and_check(q, k, v, causal=causal)
-    for mode in ("dyn:ctas=7", "dyn:ctas=7", "dyn:ctas=2", "dyn:ctas=1000"):
+    for mode in ("dyn:ctas=7", "dyn:ctas=7", "dyn:ctas=2", "dyn:ctas=1000", "dyn:ctas=7"):
         monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, mode)
         _poison_allocator(256 << 20)
         assert torch.equal(flash_attn_func(q, k, v, causal=causal), expected), mode
+    torch.cuda.synchronize()
+    assert not dispatch.tile_counter(q.device).any(), dispatch.tile_counter(q.device)
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=3")
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for i in range(6):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(flash_attn_func(q, k, v, causal=causal))
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, expected) for o in outs)
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=7")
     side = torch.cuda.Stream()  # capture needs a side stream; warm up there first
     side.wait_stream(torch.cuda.current_stream())

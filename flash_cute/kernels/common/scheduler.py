@@ -223,16 +223,21 @@ def make_tile_pipeline(barrier_storage: cute.Pointer, num_consumer_threads: int)
 
 
 @cute.jit
-def claim_tile(counter: cute.Tensor):
+def claim_tile(counter: cute.Tensor, num_tiles: Int32):
     """Warp-collective: the next tile of this CTA, claimed by lane 0 and returned to every lane.
 
     ``counter`` (one int32, zero at launch) counts the claims; the grid's first tiles
     (blockIdx.x) are never claimed. Relaxed: the counter hands out distinct numbers and
-    publishes no data. A CTA claims once per tile it runs, the last claim past the end: a
-    launch adds num_tiles to the counter in all."""
+    publishes no data. A CTA claims once per tile it runs past its first, plus one claim past
+    the end, so a launch makes num_tiles claims in all (a CTA whose first tile is already past
+    the end claims nothing, one fewer tile for another), and the claim that gets num_tiles - 1
+    is the launch's last: its lane zeroes the counter for the next launch on the stream
+    (dispatch.tile_counter: no memset per call; the atomics on the one word are ordered)."""
     old = Int32(0)
     if cute.arch.lane_idx() == 0:
         old = cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+        if old == num_tiles - 1:
+            counter[0] = Int32(0)
     return cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(old, 0)
 
 

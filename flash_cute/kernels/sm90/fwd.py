@@ -42,8 +42,8 @@ load warp claims each next tile from a global counter (scheduler.claim_tile: lan
 gridDim.x + atomicAdd(counter, 1), a shuffle gives it to the warp) once it has issued the
 current tile's loads, and publishes it in a shared-memory slot; the consumer warps read it
 after their epilogue. The last claim of every CTA lands past the end and stops its consumers.
-The counter is zero at launch: the host passes a fresh zeroed int32 per call
-(dispatch.new_tile_counter says why not a kernel-side reset).
+The counter is zero at launch and the launch's last claim (the one handed num_tiles - 1)
+zeroes it again, so one counter per stream serves every call (dispatch.tile_counter).
 
     load warp                                consumer threads (128n)
     tile = blockIdx.x                        tile = blockIdx.x
@@ -176,8 +176,8 @@ class FlashFwdSm90:
         heads_per_section, tail_section: the tile order's L2 sections (common/scheduler.py;
         varlen: tail_section None, sections are per sequence).
         max_ctas: persistent only (else None), the most CTAs that run at once (SMs x 1).
-        mTileCounter: dynamic only (else None), one int32, zero at launch (the host passes a
-        fresh zeroed one per call, see dispatch.fwd)."""
+        mTileCounter: dynamic only (else None), one int32, zero at launch; the launch's last
+        claim zeroes it again (scheduler.claim_tile, dispatch.tile_counter)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -362,7 +362,7 @@ class FlashFwdSm90:
                             # early enough that the atomic's round trip and the next tile's
                             # first K load hide under this tile's last blocks and epilogue.
                             # A claim past the end is published too: it stops the consumers.
-                            tile = scheduler.claim_tile(mTileCounter)
+                            tile = scheduler.claim_tile(mTileCounter, count())
                             claimed = scheduler.publish_tile(pipe_tile, claimed, sTile, tile)
                         else:
                             tile = scheduler.next_tile(tile)
