@@ -291,8 +291,8 @@ def test_forward_dynamic_tile_order(d, causal, monkeypatch):
     assert not dispatch.tile_counter(q.device).any(), dispatch.tile_counter(q.device)
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=3")
     streams = [torch.cuda.Stream() for _ in range(2)]
-    for st in streams:
-        st.wait_stream(torch.cuda.current_stream())
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
     outs = []
     for i in range(6):
         with torch.cuda.stream(streams[i % 2]):
