@@ -144,8 +144,15 @@ def test_own_o_forward_choice():
     assert fwd_own_o(64, False, n) and not fwd_own_o(64, False, n + 1)
     assert fwd_own_o(64, True, 16384) and fwd_own_o(96, False, 16384)
     assert fwd_own_o(128, False, 16384) and not fwd_own_o(256, True, 512)
+    # d=128 with OWN_O also takes Q in registers (config.QREGS; not with the 176-key walk).
     assert fwd_overrides(128, False, persistent=True, own_o=True) == {
-        "persistent": True, "packed_p_cvt": True, "tile_n": 128, "own_o": True}
+        "persistent": True, "packed_p_cvt": True, "tile_n": 128, "own_o": True,
+        "q_in_regs": True}
+    assert fwd_overrides(128, True, persistent=True, dynamic=True, own_o=True) == {
+        "persistent": True, "dynamic": True, "packed_p_cvt": True, "tile_n": 128,
+        "own_o": True, "q_in_regs": True}
+    assert "q_in_regs" not in fwd_overrides(128, False, persistent=True)
+    assert "q_in_regs" not in fwd_overrides(96, True, persistent=True, own_o=True)
     assert fwd_overrides(128, False, persistent=False, own_o=True) == {}
     assert fwd_overrides(64, True, persistent=True, dynamic=True, narrow=True, own_o=True) == {
         "persistent": True, "dynamic": True, "own_o": True, "tile_n": 128,
