@@ -126,7 +126,7 @@ VARIANTS = {
     # Session 23: Q's A operand in registers for S = Q K^T (FwdSm90Config.q_in_regs; spills at
     # d=64's 160-register consumers, so d=96 / 128 only; d=128 causal is spill-free with the
     # packed P conversion only, so "ship_packed" is its control). Since session 24 "ship" has
-    # both at d=128 (config.QREGS).
+    # both at d=128 (config.QREGS), so there all three are one kernel (a noise check).
     "ship_qregs": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "q_in_regs": True,
                                          **({"packed_p_cvt": True} if d == 128 else {})}
                                         if d in (96, 128) else None),
