@@ -63,8 +63,9 @@ class FwdSm90Config:
     lazy_rescale: bool = False
     # S = Q K^T with Q's A operand in registers (ldmatrix once per tile) instead of read from
     # shared memory by every QK^T wgmma: fewer shared-memory bytes per score, and the loop no
-    # longer builds Q's wgmma descriptors. Shipped at d=128 (PERSISTENT_FWD, session 24: +1..2%
-    # over packed P); d=96 lost 4-8%; d=64's 160-register consumers spill with it.
+    # longer builds Q's wgmma descriptors. Shipped at d=128 with OWN_O (QREGS, fwd_overrides;
+    # session 24: +0.4..+1.6% over packed P); d=96 lost 4-8%; d=64's 160-register consumers
+    # spill with it.
     q_in_regs: bool = False
 
     def __post_init__(self):

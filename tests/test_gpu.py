@@ -277,7 +277,7 @@ def test_forward_on_side_stream():
 def test_forward_dynamic_tile_order(d, causal, monkeypatch):
     """The dynamic persistent order (atomic tile counter) runs every tile once, as the static
     walk does (same config, so bitwise equal): with few CTAs, more CTAs than tiles, repeated
-    launches (the last CTA leaves the stream's counter zero for the next), back-to-back
+    launches (the launch's last claim leaves the stream's counter zero), back-to-back
     launches on two streams (a counter each), and CUDA graph replays (a fresh zeroed counter
     captured with the launch)."""
     q, k, v = qkv_inputs(3, 700, 700, 5, 5, d, seed=21)

@@ -41,7 +41,6 @@ class DqTile:
             return DQT_SWIZZLE
         return (2, 3, self.cfg.sdq_cols.bit_length() - 1 - 3)
 
-
     @cute.jit
     def dq_then_dk(self, tdKrdK: cute.Tensor, tdKrdS: cute.Tensor, tdKrQ: cute.Tensor,
                    mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma, tdQrdQ: cute.Tensor,
