@@ -124,6 +124,9 @@ VARIANTS = {
     # Session 23: sdQ / dQaccum rows unpadded, sdQ swizzled (BwdSm90Config.swizzle_dq).
     "swizzle_dq": {"swizzle_dq": True},
     "swizzle_dq_det": {"swizzle_dq": True, "deterministic": True},
+    # Session 25: short batched calls take swizzle_dq by default (backward.batched_overrides);
+    # this pins the padded rows, the default before.
+    "padded_dq": {"swizzle_dq": False},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.

@@ -46,6 +46,7 @@ def parts(d, s, causal):
         kernel(q, k, v, out, lse, scale2, *sections, *dispatch.NO_VARLEN, ctas, counter)
 
     ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
+    out_g = flash_attn_func(ql, kl, vl, causal=causal)
     rows = [
         ("torch: torch.empty(1) on cuda", lambda: torch.empty(1, device=dev)),
         ("torch: q.add(1) (one launch)", lambda: q.add(1)),
@@ -93,6 +94,8 @@ def parts(d, s, causal):
                                              *backward.NO_VARLEN_Q)),
         ("bwd: backward.bwd", lambda: backward.bwd(do, q, k, v, out, lse, softmax_scale=scale,
                                                    causal=causal)),
+        ("bwd: torch.autograd.grad (the grid's call)",
+         lambda: torch.autograd.grad(out_g, (ql, kl, vl), do, retain_graph=True)),
     ]
     return rows, (pre, main, post_dq)
 

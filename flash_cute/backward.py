@@ -68,7 +68,7 @@ import threading
 import torch
 
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
-                     BWD_WIDE_HEAD_DIMS, BwdSm90Config, l2_sections)
+                     BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections)
 from .dispatch import NO_VARLEN, compile_kernel
 from .kernels.common.seqlen import pad_offset
 
@@ -387,21 +387,35 @@ BATCHED_TILE_M128 = {"tile_m": 128, "dq_split": "alt"}
 BATCHED_TALT = {"tile_m": BWD_TILE_M80, "dq_split": "talt"}
 BWD_TALT_MIN_SEQLEN_Q = 1024
 BWD_TALT_CAUSAL_MIN_SEQLEN_Q = 16384
+# Short batched calls take unpadded, swizzled dQ rows (BwdSm90Config.swizzle_dq): bwd_post and
+# bwd_pre stream 256-byte-aligned rows (post 54-57 -> 50-51 us at d=64), while at 4k-16k the
+# main kernel lost up to 4.5% with it. H200 (bench/exp_bwd.py ... default swizzle_dq, TFLOP/s
+# default / swizzled), session 23: d=64 nc 1k 398 / 401, causal 1k 301 / 308, d=128 causal 1k
+# 346 / 349; session 24: 418 / 424, 300 / 307, 349 / 351; 4k: d=64 nc 491 / 494, 511 / 511,
+# causal 490 / 477, d=128 causal 550 / 547, 537 / 513.
+BWD_SWIZZLE_DQ_MAX_SEQLEN_Q = 1024
+_TILE_FIELDS = frozenset(("tile_m", "dq_split", "swizzle_dq"))
 
 
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
                       persistent: bool = False):
     """The batched backward's config overrides: BATCHED_TILE_M128 at d=64, BATCHED_TALT at
-    d=128 for long calls (one CTA per tile), unless the caller or FLASH_CUTE_BWD_CONFIG
-    chooses the tile. A per-call choice among cached kernels: no length in any compile key."""
+    d=128 for long calls (one CTA per tile), and swizzled dQ rows for calls of at most
+    BWD_SWIZZLE_DQ_MAX_SEQLEN_Q queries (``seqlen_q`` 0: not given, a long call), unless the
+    caller or FLASH_CUTE_BWD_CONFIG chooses the tile. A per-call choice among cached kernels:
+    no length in any compile key."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
-    if d == 64 and not chosen & set(BATCHED_TILE_M128):
-        return {**BATCHED_TILE_M128, **(cfg_overrides or {})}
+    out = cfg_overrides
     talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
-    if (d == 128 and not persistent and seqlen_q >= talt_min
+    if d == 64 and not chosen & set(BATCHED_TILE_M128):
+        out = {**BATCHED_TILE_M128, **(cfg_overrides or {})}
+    elif (d == 128 and not persistent and seqlen_q >= talt_min
             and not chosen & set(BATCHED_TALT)):
-        return {**BATCHED_TALT, **(cfg_overrides or {})}
-    return cfg_overrides
+        return {**BATCHED_TALT, **(cfg_overrides or {})}  # its dQ^T rows are unpadded
+    if (d in SWIZZLE_DQ_HEAD_DIMS and 0 < seqlen_q <= BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
+            and not persistent and not chosen & _TILE_FIELDS):
+        out = {**(out or {}), "swizzle_dq": True}
+    return out
 
 
 def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:

@@ -225,7 +225,7 @@ def test_bwd_swizzled_dq_compiles(d, causal, varlen, deterministic, tmp_path, mo
     """cfg.swizzle_dq: ptxas-clean, sdQ's stores still 8 bytes wide (the swizzle moves whole
     8-float groups) and as many as with padded rows, one bulk reduction per block."""
     monkeypatch.chdir(tmp_path)
-    base = {} if varlen else backward.batched_overrides(d, None, causal, 1024) or {}
+    base = {} if varlen else backward.batched_overrides(d, None, causal, 4096) or {}
     if base.get("dq_split") == "talt":  # long non-causal d=128: already unpadded
         base = {}
     ov = {**base, "swizzle_dq": True}
@@ -769,7 +769,7 @@ def test_batched_talt_overrides(monkeypatch):
     assert (cfg.tile_m, cfg.dq_split, cfg.stagger, cfg.dq_swizzle) == (80, "talt", True, 1)
     long_c = backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q
     assert backward.batched_overrides(128, None, True, long_c) == backward.BATCHED_TALT
-    for causal, sq, pers in ((True, long_c - 1, False), (False, long_q - 1, False),
+    for causal, sq, pers in ((True, long_c - 1, False), (False, long_q + 1, True),
                              (False, long_q, True)):
         assert backward.batched_overrides(128, None, causal, sq, pers) is None
     assert backward.batched_overrides(128, {"pdl": True}, False, long_q) == {
@@ -778,6 +778,34 @@ def test_batched_talt_overrides(monkeypatch):
     assert backward.batched_overrides(96, None, False, long_q) is None
     monkeypatch.setenv(backward.CONFIG_ENV, "tile_m=64")
     assert backward.batched_overrides(128, None, False, long_q) is None
+
+
+def test_batched_short_calls_swizzle_dq(monkeypatch):
+    """Batched calls of at most BWD_SWIZZLE_DQ_MAX_SEQLEN_Q queries take unpadded, swizzled
+    dQ rows at d=64 and d=128 (not the 80-row tile, already unpadded, nor the persistent
+    kernel); a tile field chosen by the caller or FLASH_CUTE_BWD_CONFIG leaves them padded."""
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    short = backward.BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
+    sw = {"swizzle_dq": True}
+    for causal in (False, True):
+        assert backward.batched_overrides(64, None, causal, short) == {
+            **backward.BATCHED_TILE_M128, **sw}
+        assert backward.batched_overrides(64, None, causal, short + 1) == \
+            backward.BATCHED_TILE_M128
+        assert backward.batched_overrides(128, None, causal, 1) == sw
+        assert backward.batched_overrides(128, None, causal, 1, True) is None
+        assert backward.batched_overrides(96, None, causal, 1) is None
+        assert backward.bwd_config(64, backward.batched_overrides(64, None, causal, 1)).dq_row \
+            == 64
+    assert backward.batched_overrides(128, None, True, short) == sw
+    assert backward.batched_overrides(128, None, False, short) == backward.BATCHED_TALT
+    assert backward.batched_overrides(128, None, True, short + 1) is None
+    assert backward.batched_overrides(128, {"pdl": True}, True, 1) == {"pdl": True, **sw}
+    assert backward.batched_overrides(64, {"swizzle_dq": False}, True, 1) == {
+        **backward.BATCHED_TILE_M128, "swizzle_dq": False}
+    assert backward.batched_overrides(64, {"tile_m": 64}, True, 1) == {"tile_m": 64}
+    monkeypatch.setenv(backward.CONFIG_ENV, "swizzle_dq=0")
+    assert backward.batched_overrides(128, None, True, 1) is None
 
 
 def test_bwd_stagger_sass(tmp_path, monkeypatch):

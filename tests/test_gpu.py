@@ -296,6 +296,8 @@ def test_forward_dynamic_tile_order(d, causal, monkeypatch):
     outs = []
     for i in range(6):
         with torch.cuda.stream(streams[i % 2]):
+            # the counter's key: the raw handle must name the stream torch launches on
+            assert dispatch._raw_stream(q.device.index) == streams[i % 2].cuda_stream
             outs.append(flash_attn_func(q, k, v, causal=causal))
     torch.cuda.synchronize()
     assert all(torch.equal(o, expected) for o in outs)
@@ -313,6 +315,33 @@ def test_forward_dynamic_tile_order(d, causal, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in's reference path may synchronize")
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, True)])
+def test_training_step_never_waits_for_the_gpu(d, causal):
+    """Forward and backward, batched (GQA) and varlen, once warm: no call makes the host wait
+    for the GPU (torch's sync debug mode raises on a synchronizing call such as a device to
+    host copy), so the launches of a training step queue ahead of the kernels."""
+    q, k, v = (t.requires_grad_() for t in qkv_inputs(2, 300, 300, 4, 2, d, seed=41))
+    lens = [37, 0, 1, 300, 65]
+    vq, vk, vv, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens, lens, 4, 2, d, seed=43,
+                                                          grad=True)
+
+    def step():
+        out = flash_attn_func(q, k, v, causal=causal)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), out.detach())
+        vout = flash_attn_varlen_func(vq, vk, vv, cu_q, cu_k, max_q, max_k, causal=causal)
+        return (dq, dk, dv) + torch.autograd.grad(vout, (vq, vk, vv), vout.detach())
+
+    step()  # compiles and warms the caches outside the checked call
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 @pytest.mark.skipif(_ON_CPU, reason="the stand-in has no sO")
@@ -460,14 +489,16 @@ def test_grads_deterministic(d, causal, hk):
 
 
 @pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
-@pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0", "p16_view=0"])
+@pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0", "p16_view=0",
+                                  "swizzle_dq=0"])
 @pytest.mark.parametrize("d,causal,hk,varlen", [(64, False, 4, False), (128, True, 2, False),
                                                 (128, False, 4, False), (96, False, 1, True),
                                                 (128, True, 4, True), (256, True, 2, False)])
 def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
     """Backward configs that move loads or index math and no arithmetic (BwdSm90Config
     .lean_prologue off, the order before session 16; v_with_do off, before session 14;
-    p16_view off, before session 17: the same products from registers read differently):
+    p16_view off, before session 17: the same products from registers read differently;
+    swizzle_dq off, padded dQ rows, which short batched calls gave up in session 25):
     deterministic gradients bitwise equal to the shipped config's, batched (d=128
     non-causal: the 80-row "talt" tile) and varlen."""
     sq = backward.BWD_TALT_MIN_SEQLEN_Q + 52 if (d, causal) == (128, False) else 700
