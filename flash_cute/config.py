@@ -467,7 +467,10 @@ class BwdSm90Config:
     # (padded: 288 / 544 bytes apart). d = 64 / 128 (power-of-two rows). H200, session 23
     # (bench/exp_pre.py, bench/exp_bwd.py default swizzle_dq): post 55-57 -> 50-51 us and pre
     # 74-77 -> 72-75 us at d=64, the whole backward +1..+2% at s=1k, within +-1% at 4k and
-    # -11% at d=64 causal 16k in one run (a high read of the default): off until re-timed.
+    # -11% at d=64 causal 16k in one run (a high read of the default). Sessions 24-25: +0.6..+4%
+    # at s <= 1k, -2.6 / -4.5% at causal 4k: short batched calls take it per call
+    # (backward.BWD_SWIZZLE_DQ_MAX_SEQLEN_Q); varlen keeps padded rows (GPU time per step of
+    # the varlen workload 842 / 851 us without / with it).
     swizzle_dq: bool = False
 
     @property

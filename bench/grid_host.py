@@ -1,0 +1,64 @@
+"""Is a benchmark cell timing host work? Each implementation's call timed the grid's way (two
+CUDA events around each call, the calls back to back, flash_cute.bench.time_ms) next to the host
+time the same call took, per call, in three rounds: where the host time per call exceeds the
+kernels', the GPU idles inside the brackets and the cell reads host time (session 25: the
+backward's d=128 causal 1k cell, docs/performance.md).
+
+    python bench/grid_host.py [--dir bwd] [--d 128] [--s 1024] [--causal 1]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from flash_cute import bench
+
+
+def rounds(fn, n_rounds=3, reps=10):
+    """Per round: (GPU us per call from the events, host us per call), each a list."""
+    out = []
+    for _ in range(n_rounds):
+        fn()
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(reps)]
+        host = []
+        for start, end in events:
+            t = time.perf_counter()
+            start.record()
+            fn()
+            end.record()
+            host.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+        out.append(([s.elapsed_time(e) * 1e3 for s, e in events], host))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", choices=bench.DIRECTIONS, default="bwd")
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--s", type=int, default=1024)
+    p.add_argument("--causal", type=int, default=1)
+    a = p.parse_args()
+    shape = bench.make_shape("bf16", a.d, a.s, bool(a.causal), 16384)
+    q, k, v, do = (torch.randn(shape.batch, a.s, shape.nheads, a.d, device="cuda",
+                               dtype=torch.bfloat16) for _ in range(4))
+    for impl in bench.get_impls(["flash_cute", "fa4", "cudnn"]):
+        try:
+            run = impl.load()
+        except ImportError as e:
+            print(impl.name, "unavailable:", e)
+            continue
+        with impl.context():
+            fn, _ = bench._prepare_direction(run, impl.layout, q, k, v, do, bool(a.causal),
+                                             a.dir)
+            for i, (gpu, host) in enumerate(rounds(fn)):
+                print(f"{impl.name:10s} round {i}: bracket median {statistics.median(gpu):6.0f} "
+                      f"us, host median {statistics.median(host):6.0f} us | host per call "
+                      f"{[round(x) for x in host]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
