@@ -391,8 +391,9 @@ BWD_TALT_CAUSAL_MIN_SEQLEN_Q = 16384
 # bwd_pre stream 256-byte-aligned rows (post 54-57 -> 50-51 us at d=64), while at 4k-16k the
 # main kernel lost up to 4.5% with it. H200 (bench/exp_bwd.py ... default swizzle_dq, TFLOP/s
 # default / swizzled), session 23: d=64 nc 1k 398 / 401, causal 1k 301 / 308, d=128 causal 1k
-# 346 / 349; session 24: 418 / 424, 300 / 307, 349 / 351; 4k: d=64 nc 491 / 494, 511 / 511,
-# causal 490 / 477, d=128 causal 550 / 547, 537 / 513.
+# 346 / 349; session 24: 418 / 424, 300 / 307, 349 / 351; session 25: 405 / 421, 299 / 306,
+# 346 / 348; 4k: d=64 nc 491 / 494, 511 / 511, causal 490 / 477, d=128 causal 550 / 547,
+# 537 / 513.
 BWD_SWIZZLE_DQ_MAX_SEQLEN_Q = 1024
 _TILE_FIELDS = frozenset(("tile_m", "dq_split", "swizzle_dq"))
 

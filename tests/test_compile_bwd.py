@@ -218,21 +218,25 @@ def test_bwd_ptxas_report(d, causal, gqa, varlen, persistent, dq_first, tmp_path
                 tmp_path)
 
 
-@pytest.mark.parametrize("d,causal,varlen,deterministic", [
-    (64, False, False, False), (64, True, True, True), (128, True, False, False),
-    (128, True, True, False), (128, False, False, True)])
-def test_bwd_swizzled_dq_compiles(d, causal, varlen, deterministic, tmp_path, monkeypatch):
-    """cfg.swizzle_dq: ptxas-clean, sdQ's stores still 8 bytes wide (the swizzle moves whole
-    8-float groups) and as many as with padded rows, one bulk reduction per block."""
+@pytest.mark.parametrize("d,causal,varlen,deterministic,gqa", [
+    (64, False, False, False, False), (64, True, True, True, False),
+    (128, True, False, False, False), (128, True, True, False, False),
+    (128, False, False, True, False), (64, True, False, False, True),
+    (128, True, False, True, True)])
+def test_bwd_swizzled_dq_compiles(d, causal, varlen, deterministic, gqa, tmp_path,
+                                  monkeypatch):
+    """cfg.swizzle_dq (short batched calls at d=64 / 128 since session 25): ptxas-clean, sdQ's
+    stores still 8 bytes wide (the swizzle moves whole 8-float groups) and as many as with
+    padded rows, one bulk reduction per block."""
     monkeypatch.chdir(tmp_path)
     base = {} if varlen else backward.batched_overrides(d, None, causal, 4096) or {}
     if base.get("dq_split") == "talt":  # long non-causal d=128: already unpadded
         base = {}
     ov = {**base, "swizzle_dq": True}
     assert backward.bwd_config(d, ov).dq_row == d
-    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, False,
+    check_ptxas(backward.bwd_ptx(ARCH, "BFloat16", d, causal, gqa,
                                  deterministic=deterministic, varlen=varlen, **ov), tmp_path)
-    ops, ref = (sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, False,
+    ops, ref = (sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, gqa,
                                                 deterministic, varlen=varlen, **o), tmp_path)
                 for o in (ov, base))
     check_main_sass(ops)
