@@ -13,6 +13,7 @@ import time
 import torch
 
 from flash_cute import bench
+from kernel_times import grid_calls  # bench/ is on sys.path when run as a script
 
 
 def rounds(fn, n_rounds=3, reps=10):
@@ -42,22 +43,11 @@ def main():
     p.add_argument("--s", type=int, default=1024)
     p.add_argument("--causal", type=int, default=1)
     a = p.parse_args()
-    shape = bench.make_shape("bf16", a.d, a.s, bool(a.causal), 16384)
-    q, k, v, do = (torch.randn(shape.batch, a.s, shape.nheads, a.d, device="cuda",
-                               dtype=torch.bfloat16) for _ in range(4))
-    for impl in bench.get_impls(["flash_cute", "fa4", "cudnn"]):
-        try:
-            run = impl.load()
-        except ImportError as e:
-            print(impl.name, "unavailable:", e)
-            continue
-        with impl.context():
-            fn, _ = bench._prepare_direction(run, impl.layout, q, k, v, do, bool(a.causal),
-                                             a.dir)
-            for i, (gpu, host) in enumerate(rounds(fn)):
-                print(f"{impl.name:10s} round {i}: bracket median {statistics.median(gpu):6.0f} "
-                      f"us, host median {statistics.median(host):6.0f} us | host per call "
-                      f"{[round(x) for x in host]}", flush=True)
+    for name, fn in grid_calls(a.dir, a.d, a.s, bool(a.causal)).items():
+        for i, (gpu, host) in enumerate(rounds(fn)):
+            print(f"{name:10s} round {i}: bracket median {statistics.median(gpu):6.0f} us, "
+                  f"host median {statistics.median(host):6.0f} us | host per call "
+                  f"{[round(x) for x in host]}", flush=True)
 
 
 if __name__ == "__main__":
