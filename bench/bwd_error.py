@@ -1,7 +1,7 @@
 """Gradient error of backward configs against the fp32 oracle (one process, one GPU).
 
     python bench/bwd_error.py                       # shipped vs ds16 (BwdSm90Config.ds16)
-    python bench/bwd_error.py --variants "" ds16=1 p16_view=0
+    python bench/bwd_error.py --variants "" ds16=1,ds_before_dv=0 p16_view=0
 
 Per shape, variant and gradient: the max |error| and the relative L2 error against the fp32
 oracle, and the same for PyTorch's bf16 computation (what the project's comparison rule
@@ -15,7 +15,7 @@ from flash_cute import backward, dispatch
 from flash_cute.reference import attention_ref
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--variants", nargs="+", default=["", "ds16=1"])
+ap.add_argument("--variants", nargs="+", default=["", "ds16=1,ds_before_dv=0"])
 args = ap.parse_args()
 # (d, seqlen_q, seqlen_k, causal): the shipped 128-row (d=64) and 80-row (d=128) tiles.
 SHAPES = [(64, 1000, 1000, False), (64, 1000, 1300, True), (128, 1100, 1100, False),

@@ -99,7 +99,8 @@ VARIANTS = {
     # (shipped in session 17; "p16_copy" is the register copies before it)
     "p16_view": {"p16_view": True},
     "p16_copy": {"p16_view": False},
-    "ds16": {"p16_view": True, "ds16": True},  # dS^T by packed 16-bit multiplies
+    # dS^T by packed 16-bit multiplies (dV first: it reads P^T's packed copy)
+    "ds16": {"p16_view": True, "ds16": True, "ds_before_dv": False},
     # Session 21 (built, not yet timed): the dQ turn's two chunks issued back to back, chunk
     # 0 stored under chunk 1's wgmma (dK waited on first).
     "dq_overlap": {"dq_overlap": True},
@@ -127,11 +128,15 @@ VARIANTS = {
     # Session 25: short batched calls take swizzle_dq by default (backward.batched_overrides);
     # this pins the padded rows, the default before.
     "padded_dq": {"swizzle_dq": False},
+    # Session 26 (BwdSm90Config.ds_before_dv, on since for batched calls): FA4's order, dS^T
+    # from the fp32 P^T before dV's issue; "dv_first" is the order before (varlen's default).
+    "ds_before_dv": {"ds_before_dv": True},
+    "dv_first": {"ds_before_dv": False},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
 VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80", "talt_lse", "dq_overlap",
-                  "swizzle_dq", "swizzle_dq_det")
+                  "swizzle_dq", "swizzle_dq_det", "ds_before_dv")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

@@ -472,6 +472,15 @@ class BwdSm90Config:
     # (backward.BWD_SWIZZLE_DQ_MAX_SEQLEN_Q); varlen keeps padded rows (GPU time per step of
     # the varlen workload 842 / 851 us without / with it).
     swizzle_dq: bool = False
+    # FA4's order: dP^T waited on before dV's issue and dS^T computed from the fp32 P^T with
+    # no wgmma in flight, then dV issued (off: dV issued first, dS^T computed under it). At
+    # tile_m 128 (d=64) the fp32 P^T then fits beside dP^T (no wgmma holds registers while
+    # both live), so dS^T no longer unpacks the 16-bit copy: 708 -> ~640 instructions per
+    # thread and block, FA4's 646. tile_m 80 keeps dV first (ptxas serialized the wgmma,
+    # C7512). H200, sessions 26-27 (bench/exp_bwd.py default ds_before_dv, two runs): d=96
+    # +3..+8%, d=64 / d=128 within +-1.5%. Batched only: the varlen step read 0.5-0.8% slower
+    # with it in both runs (backward._compile_main).
+    ds_before_dv: bool = False
 
     @property
     def dq_row(self) -> int:
@@ -540,13 +549,16 @@ class BwdSm90Config:
         # v_with_do: +0.3-0.8% in all 7 cells timed (d=64 / 96 / 128, 1k / 4k, session 14).
         if d == 128:
             return BwdSm90Config(head_dim=d, dq_split="alt", stagger=True, early_lse_d=True,
-                                 v_with_do=True)
+                                 v_with_do=True, ds_before_dv=True)
         return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d, dq_split="alt",
-                             v_with_do=True)
+                             v_with_do=True, ds_before_dv=True)
 
     def __post_init__(self):
         if self.dq_overlap and not (self.dq_turns and not self.wide):
             raise ValueError("dq_overlap: dq_split 'alt' / 'talt' of the narrow kernel only")
+        if self.ds16 and self.ds_before_dv:
+            raise ValueError("ds16 multiplies P^T's packed copy, ds_before_dv the fp32 P^T: "
+                             "set ds_before_dv=False for ds16")
         if self.ds16 and not self.p16_view:
             raise ValueError("ds16 reads P^T's packed copy: set p16_view=True too")
         if self.dq_split not in ("n", "alt", "m", "t", "talt"):

@@ -884,8 +884,10 @@ def test_p16_view_compiles(dtype, d, causal, gqa, det, ov, tmp_path, monkeypatch
     own); fp16 keeps its per-element conversions (ds_from_dp), the same cubin."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    # ds_before_dv off: at tile_m 128 it computes dS^T from the fp32 P^T (no view to read)
     view, copy = [sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, causal, gqa, det, **ov,
-                                                  p16_view=flag), tmp_path)
+                                                  p16_view=flag, ds_before_dv=False),
+                               tmp_path)
                   for flag in (True, False)]
     check_main_sass(view)
     assert view["HGMMA"] == copy["HGMMA"]
@@ -896,15 +898,32 @@ def test_p16_view_compiles(dtype, d, causal, gqa, det, ov, tmp_path, monkeypatch
 @pytest.mark.parametrize("d,ov", [(64, backward.BATCHED_TILE_M128), (128, backward.BATCHED_TALT)],
                          ids=["d64", "d128_talt"])
 def test_ds16_compiles(d, ov, tmp_path, monkeypatch):
-    """cfg.ds16 (opt-in: dS^T by packed 16-bit multiplies): spill-free, HMUL2 in place of the
-    fp32 multiplies, fewer instructions than the shipped p16_view."""
+    """cfg.ds16 (opt-in: dS^T by packed 16-bit multiplies, dV issued first): spill-free, HMUL2
+    in place of the fp32 multiplies, fewer instructions than p16_view in the same order."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    ds16, shipped = [sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, False, **ov, ds16=flag),
+    ds16, shipped = [sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, False, **ov, ds16=flag,
+                                                     ds_before_dv=False),
                                   tmp_path) for flag in (True, False)]
     check_main_sass(ds16)
     assert ds16.get("HMUL2", 0) > 0 and ds16.get("FMUL", 0) < shipped.get("FMUL", 0)
     assert sum(ds16.values()) < sum(shipped.values())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ds_before_dv_compiles(causal, tmp_path, monkeypatch):
+    """cfg.ds_before_dv (shipped, batched d=64 / 96 / 128): at the 128-row tile dS^T comes
+    from the fp32 P^T with no wgmma in flight; spill-free, the same HGMMA count, fewer
+    instructions than dS^T unpacked from P^T's 16-bit copy under the dV wgmma."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    on, off = [sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", 64, causal,
+                                               **backward.BATCHED_TILE_M128,
+                                               ds_before_dv=flag), tmp_path)
+               for flag in (True, False)]
+    check_main_sass(on)
+    assert on["HGMMA"] == off["HGMMA"]
+    assert sum(on.values()) < sum(off.values()), (sum(on.values()), sum(off.values()))
 
 
 @pytest.mark.parametrize("d,causal,varlen,ov", [(128, True, False, {}), (128, True, True, {}),

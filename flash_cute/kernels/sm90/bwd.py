@@ -151,7 +151,9 @@ class FlashBwdSm90(DqTile):
         # (C7512; computing dS^T before issuing dV spilled). So dS^T = P^T o (dP^T - D) reads
         # the 16-bit P^T that dV uses (dS^T is rounded to 16 bits next anyway). tile_m 80
         # too: with fp32 S^T kept, 96 bytes of spill and C7512.
-        self.ds_from_p16 = self.tile_m > KEYS_PER_WG
+        # cfg.ds_before_dv: not at tile_m 80 (C7512 there, BwdSm90Config.ds_before_dv).
+        self.ds_before_dv = cfg.ds_before_dv and not cfg.dq_transposed
+        self.ds_from_p16 = self.tile_m > KEYS_PER_WG and not self.ds_before_dv
         # tile_m 128: thread-index-derived shared-memory addresses are rebuilt inside each
         # query block from an opaque thread index instead of held live across the loop (they
         # spilled; docs/architecture.md, "The SM90 backward main kernel").
@@ -823,7 +825,9 @@ class FlashBwdSm90(DqTile):
                               seqlen_k, q_tail, q_tail_rows, sLSE)
         self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2, lse)
         s_mn = acc_as_mn(tSrS)
-        if const_expr(not self.ds_from_p16):
+        if const_expr(self.ds_before_dv):
+            pass  # P^T's 16-bit copy after the dP^T wait, below
+        elif const_expr(not self.ds_from_p16):
             self.to_16bit(tdVrP, acc_as_operand_a(tSrS))
         else:
             # P^T to 16 bits in the accumulator layout: fp32 S^T dies here, dS^T reads this.
@@ -837,10 +841,20 @@ class FlashBwdSm90(DqTile):
         dsum = None
         if const_expr(self.cfg.early_lse_d):  # D's LDS latency under the dV issue and wait
             dsum = bwd_cols.load_cols(sD, tScS, t0ScS, s)
-        gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
-             wait_group=1)  # dP^T ready; dV keeps running
-
-        if const_expr(self.ds_from_p16 and self.cfg.ds16):
+        if const_expr(self.ds_before_dv):
+            # FA4's order: dS^T from the fp32 P^T with no wgmma in flight, then dV.
+            warpgroup.wait_group(0)  # dP^T
+            self.to_16bit(tdVrP, acc_as_operand_a(tSrS))
+            self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s, dsum)
+            self.to_16bit(rdS, tdPrdP)
+            gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
+                 wait_group=-1)
+        else:
+            gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
+                 wait_group=1)  # dP^T ready; dV keeps running
+        if const_expr(self.ds_before_dv):
+            pass
+        elif const_expr(self.ds_from_p16 and self.cfg.ds16):
             bwd_cols.ds16_from_dp(rdS, tdPrdP, rP, tScS, t0ScS, sD, s, dsum)
         elif const_expr(self.ds_from_p16 and self.cfg.p16_view
                         and self.dtype is cutlass.BFloat16):  # fp16: one cvt per element anyway
