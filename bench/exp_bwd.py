@@ -72,6 +72,7 @@ VARIANTS = {
     "dq_first_persistent": {"dq_first": True, "persistent": True, "stagger": False},
     "tm128": {"tile_m": 128, "dq_split": "m"},  # shipped at d=64 non-causal (batched)
     "tm64": {"tile_m": 64, "dq_split": "alt"},
+    "tm64_sw": {"tile_m": 64, "dq_split": "alt", "swizzle_dq": True},  # with short calls' rows
     "tm80": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t"},
     "tm80_dq_last": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t", "dq_first": False},
     "tm80_det": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t", "deterministic": True},
