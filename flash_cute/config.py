@@ -477,9 +477,10 @@ class BwdSm90Config:
     # tile_m 128 (d=64) the fp32 P^T then fits beside dP^T (no wgmma holds registers while
     # both live), so dS^T no longer unpacks the 16-bit copy: 708 -> ~640 instructions per
     # thread and block, FA4's 646. tile_m 80 keeps dV first (ptxas serialized the wgmma,
-    # C7512). H200, sessions 26-27 (bench/exp_bwd.py default ds_before_dv, two runs): d=96
-    # +3..+8%, d=64 / d=128 within +-1.5%. Batched only: the varlen step read 0.5-0.8% slower
-    # with it in both runs (backward._compile_main).
+    # C7512). H200 (bench/exp_bwd.py default dv_first), session 28: d=64 +0.4..+1.4%, d=96
+    # +2.9..+9.4%, d=128 causal 1k / 4k +2.4 / +0.4% (session 26's two runs: d=96 +3..+8%,
+    # d=64 / d=128 within +-1.5%). Batched only: the varlen step read 0.5-0.8% slower with it
+    # in two runs (backward._compile_main).
     ds_before_dv: bool = False
 
     @property

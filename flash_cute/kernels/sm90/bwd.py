@@ -825,11 +825,7 @@ class FlashBwdSm90(DqTile):
                               seqlen_k, q_tail, q_tail_rows, sLSE)
         self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2, lse)
         s_mn = acc_as_mn(tSrS)
-        if const_expr(self.ds_before_dv):
-            pass  # P^T's 16-bit copy after the dP^T wait, below
-        elif const_expr(not self.ds_from_p16):
-            self.to_16bit(tdVrP, acc_as_operand_a(tSrS))
-        else:
+        if const_expr(self.ds_from_p16):
             # P^T to 16 bits in the accumulator layout: fp32 S^T dies here, dS^T reads this.
             if const_expr(rP is None):
                 rP = cute.make_rmem_tensor_like(tSrS, self.dtype)
@@ -838,23 +834,19 @@ class FlashBwdSm90(DqTile):
             else:  # tdVrP is a view of rP
                 self.to_16bit(rP, tSrS)
             s_mn = acc_as_mn(rP)
+        elif const_expr(not self.ds_before_dv):  # ds_before_dv: after the dP^T wait, below
+            self.to_16bit(tdVrP, acc_as_operand_a(tSrS))
         dsum = None
         if const_expr(self.cfg.early_lse_d):  # D's LDS latency under the dV issue and wait
             dsum = bwd_cols.load_cols(sD, tScS, t0ScS, s)
         if const_expr(self.ds_before_dv):
-            # FA4's order: dS^T from the fp32 P^T with no wgmma in flight, then dV.
+            # FA4's order: dS^T from the fp32 P^T with no wgmma in flight, then dV (below).
             warpgroup.wait_group(0)  # dP^T
             self.to_16bit(tdVrP, acc_as_operand_a(tSrS))
-            self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s, dsum)
-            self.to_16bit(rdS, tdPrdP)
-            gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
-                 wait_group=-1)
         else:
             gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
                  wait_group=1)  # dP^T ready; dV keeps running
-        if const_expr(self.ds_before_dv):
-            pass
-        elif const_expr(self.ds_from_p16 and self.cfg.ds16):
+        if const_expr(self.ds_from_p16 and self.cfg.ds16):
             bwd_cols.ds16_from_dp(rdS, tdPrdP, rP, tScS, t0ScS, sD, s, dsum)
         elif const_expr(self.ds_from_p16 and self.cfg.p16_view
                         and self.dtype is cutlass.BFloat16):  # fp16: one cvt per element anyway
@@ -863,6 +855,9 @@ class FlashBwdSm90(DqTile):
         else:
             self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s, dsum)
             self.to_16bit(rdS, tdPrdP)
+        if const_expr(self.ds_before_dv):
+            gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
+                 wait_group=-1)
         if const_expr(not self.cfg.p16_view):
             tdKrdS.store(acc_as_operand_a(rdS).load())
 
