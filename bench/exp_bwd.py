@@ -133,6 +133,9 @@ VARIANTS = {
     # from the fp32 P^T before dV's issue; "dv_first" is the order before (varlen's default).
     "ds_before_dv": {"ds_before_dv": True},
     "dv_first": {"ds_before_dv": False},
+    # Session 29: the batched d=64 tile staggered (backward.BATCHED_D64_STAGGER); this pins
+    # the lockstep turns before it.
+    "no_stagger": {"stagger": False},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.

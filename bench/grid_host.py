@@ -5,7 +5,10 @@ kernels', the GPU idles inside the brackets and the cell reads host time (sessio
 backward's d=128 causal 1k cell, docs/performance.md).
 
     python bench/grid_host.py [--dir bwd] [--d 128] [--s 1024] [--causal 1]
+    python bench/grid_host.py --profile 20    # then each call under cProfile: top 20 functions
 """
+import cProfile
+import pstats
 import argparse
 import statistics
 import time
@@ -42,12 +45,24 @@ def main():
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--s", type=int, default=1024)
     p.add_argument("--causal", type=int, default=1)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also 50 calls per implementation under cProfile: its top N functions")
     a = p.parse_args()
     for name, fn in grid_calls(a.dir, a.d, a.s, bool(a.causal)).items():
         for i, (gpu, host) in enumerate(rounds(fn)):
             print(f"{name:10s} round {i}: bracket median {statistics.median(gpu):6.0f} us, "
                   f"host median {statistics.median(host):6.0f} us | host per call "
                   f"{[round(x) for x in host]}", flush=True)
+        if a.profile:  # where the host time goes (50 calls, the GPU kept busy by them)
+            fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(50):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            print(f"--- {name}: cProfile of 50 calls (times in s, per 50 calls)")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
 
 
 if __name__ == "__main__":

@@ -381,6 +381,13 @@ def _parse_env_config(spec: str) -> tuple:
 # bench/varlen_workload.py --d 64 --bwd-configs "" tile_m=128,dq_split=alt: 1194 / 1190 us),
 # and 64-row padding allocates less.
 BATCHED_TILE_M128 = {"tile_m": 128, "dq_split": "alt"}
+# ... with the warpgroups staggered (BwdSm90Config.stagger) unless the caller picks the loop's
+# order or the persistent kernel. It lost 2-8% before ds_before_dv (sessions 6, 16); with it,
+# H200, session 29, two calls of bench/exp_bwd.py (TFLOP/s staggered / lockstep): non-causal
+# 1k 413 / 411, 425 / 426; 4k 520 / 514, 511 / 498; 16k 528 / 525, 531 / 530; causal 1k 309 /
+# 310; 4k 469 / 463, 501 / 452 (the same kernel read 466 in that call); 16k 537 / 528.
+BATCHED_D64_STAGGER = {"stagger": True}
+_ORDER_FIELDS = frozenset(("stagger", "dq_first", "persistent"))
 # The batched d=128 backward of long calls takes FA3/FA4's 80-row non-causal tile, its dQ^T
 # computed by one warpgroup in turn (dq_split "talt", staggered). H200, session 9 (bench/
 # exp_bwd.py --nc128 / --c128 tm64 talt_lse), TFLOP/s 64 rows / 80 rows: non-causal s=1k 411 /
@@ -402,7 +409,8 @@ _TILE_FIELDS = frozenset(("tile_m", "dq_split", "swizzle_dq"))
 
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
                       persistent: bool = False):
-    """The batched backward's config overrides: BATCHED_TILE_M128 at d=64, BATCHED_TALT at
+    """The batched backward's config overrides: BATCHED_TILE_M128 at d=64 (staggered unless
+    the caller picks the loop's order or the persistent kernel), BATCHED_TALT at
     d=128 for long calls (one CTA per tile), and swizzled dQ rows for calls of at most
     BWD_SWIZZLE_DQ_MAX_SEQLEN_Q queries (``seqlen_q`` 0: not given, a long call), unless the
     caller or FLASH_CUTE_BWD_CONFIG chooses the tile. A per-call choice among cached kernels:
@@ -411,7 +419,8 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
     out = cfg_overrides
     talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
     if d == 64 and not chosen & set(BATCHED_TILE_M128):
-        out = {**BATCHED_TILE_M128, **(cfg_overrides or {})}
+        stagger = {} if persistent or chosen & _ORDER_FIELDS else BATCHED_D64_STAGGER
+        out = {**BATCHED_TILE_M128, **stagger, **(cfg_overrides or {})}
     elif (d == 128 and not persistent and seqlen_q >= talt_min
             and not chosen & set(BATCHED_TALT)):
         return {**BATCHED_TALT, **(cfg_overrides or {})}  # its dQ^T rows are unpadded

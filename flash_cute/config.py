@@ -420,7 +420,9 @@ class BwdSm90Config:
     # the dS barrier and skips the dQ hand-off, so the two warpgroups run about a dQ GEMM
     # apart instead of meeting twice per block (the lockstep that left both running their
     # exp2 at once behind an idle tensor pipe: ncu, docs/performance.md session 5). Per-parity
-    # named barriers keep consecutive blocks' phases apart. One CTA per tile only.
+    # named barriers keep consecutive blocks' phases apart. One CTA per tile only. On at d=128
+    # and at the batched d=64 128-row tile (backward.BATCHED_D64_STAGGER); the 64-row d=64 /
+    # d=96 tiles lost 1-11% with it (session 29).
     stagger: bool = False
     # Diagnostic (bench/bwd_timeline.py): every CTA of the batched one-tile-per-CTA kernel
     # writes globaltimer stamps of its phases and its SM (BWD_TIMELINE) into the semaphore

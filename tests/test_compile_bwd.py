@@ -84,20 +84,29 @@ def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monke
     check_main_sass(sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic), tmp_path))
 
 
-# The batched d=64 kernel as shipped (backward.batched_overrides: 128-row tile, "alt" dQ
-# turns; the 64-row variants above are varlen's), plus its persistent (opt-in) loop.
-BATCHED_64 = [(*v, False) for v in VARIANTS if v[1] == 64] + [
-    ("BFloat16", 64, False, True, False, True), ("BFloat16", 64, True, False, False, True)]
+# The batched d=64 kernel as shipped (backward.batched_overrides: 128-row tile, staggered "alt"
+# dQ turns; the 64-row variants above are varlen's), long calls and short ones (swizzled dQ
+# rows), plus its persistent (opt-in, lockstep) loop.
+D64_SHORT = backward.BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
+BATCHED_64 = [(*v, False, sq) for v in VARIANTS if v[1] == 64 for sq in (0, D64_SHORT)] + [
+    ("BFloat16", 64, False, True, False, True, 0), ("BFloat16", 64, True, False, False, True, 0)]
+# Known since session 28 (found in session 29, not yet fixed): with ds_before_dv, the GQA
+# non-causal kernel with swizzled dQ rows spills 4 words (1 STL, 3 LDL); dV first there is
+# spill-free but was not GPU-checked in that session.
+BATCHED_64 = [pytest.param(*v, marks=pytest.mark.xfail(strict=True, reason="4 words spilled"))
+              if v[2:] == (False, True, False, False, D64_SHORT) else v for v in BATCHED_64]
 
 
-@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,persistent", BATCHED_64,
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,persistent,seqlen_q", BATCHED_64,
                          ids=lambda v: str(v))
 def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, persistent,
-                                       tmp_path, monkeypatch):
+                                       seqlen_q, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    ov = backward.batched_overrides(d, None, causal, seqlen_q, persistent)
+    assert ov.get("stagger", False) == (not persistent)
     cubin = backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic,
-                               persistent=persistent, **backward.batched_overrides(d))
+                               persistent=persistent, **ov)
     check_main_sass(sass_opcodes(cubin, tmp_path))
 
 
@@ -745,19 +754,28 @@ def test_lean_prologue_compiles(d, causal, gqa, kw, tmp_path, monkeypatch):
     assert rcp[0] < rcp[1] if not gqa else lean == fat, rcp
 
 
+D64 = {**backward.BATCHED_TILE_M128, **backward.BATCHED_D64_STAGGER}  # batched d=64 as shipped
+
+
 def test_batched_tile_m128_overrides(monkeypatch):
     """The batched d=64 backward takes 128-row query tiles ("alt" dQ turns) unless the caller
-    or FLASH_CUTE_BWD_CONFIG picks the tile; other head dims keep their config."""
+    or FLASH_CUTE_BWD_CONFIG picks the tile, staggered unless they pick the loop's order or the
+    persistent kernel; other head dims keep their config."""
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    assert backward.batched_overrides(64) == backward.BATCHED_TILE_M128
+    assert backward.batched_overrides(64) == D64
     for causal in (False, True):
         cfg = backward.bwd_config(64, backward.batched_overrides(64), causal)
-        assert cfg.tile_m == 128 and cfg.dq_split == "alt" and not cfg.stagger
+        assert cfg.tile_m == 128 and cfg.dq_split == "alt" and cfg.stagger
     assert backward.batched_overrides(128, {"pdl": True}) == {"pdl": True}
     assert backward.batched_overrides(96) is None
     assert backward.batched_overrides(64, {"tile_m": 64}) == {"tile_m": 64}
-    assert backward.batched_overrides(64, {"pdl": True}) == {
-        **backward.BATCHED_TILE_M128, "pdl": True}
+    assert backward.batched_overrides(64, {"pdl": True}) == {**D64, "pdl": True}
+    for order in ({"stagger": False}, {"dq_first": True, "stagger": False},
+                  {"persistent": True}):
+        assert backward.batched_overrides(64, order) == {**backward.BATCHED_TILE_M128, **order}
+    assert backward.batched_overrides(64, None, False, 0, True) == backward.BATCHED_TILE_M128
+    monkeypatch.setenv(backward.CONFIG_ENV, "stagger=0")
+    assert backward.batched_overrides(64) == backward.BATCHED_TILE_M128
     monkeypatch.setenv(backward.CONFIG_ENV, "dq_split=m")
     assert backward.batched_overrides(64) is None
 
@@ -792,10 +810,8 @@ def test_batched_short_calls_swizzle_dq(monkeypatch):
     short = backward.BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
     sw = {"swizzle_dq": True}
     for causal in (False, True):
-        assert backward.batched_overrides(64, None, causal, short) == {
-            **backward.BATCHED_TILE_M128, **sw}
-        assert backward.batched_overrides(64, None, causal, short + 1) == \
-            backward.BATCHED_TILE_M128
+        assert backward.batched_overrides(64, None, causal, short) == {**D64, **sw}
+        assert backward.batched_overrides(64, None, causal, short + 1) == D64
         assert backward.batched_overrides(128, None, causal, 1) == sw
         assert backward.batched_overrides(128, None, causal, 1, True) is None
         assert backward.batched_overrides(96, None, causal, 1) is None
@@ -806,7 +822,7 @@ def test_batched_short_calls_swizzle_dq(monkeypatch):
     assert backward.batched_overrides(128, None, True, short + 1) is None
     assert backward.batched_overrides(128, {"pdl": True}, True, 1) == {"pdl": True, **sw}
     assert backward.batched_overrides(64, {"swizzle_dq": False}, True, 1) == {
-        **backward.BATCHED_TILE_M128, "swizzle_dq": False}
+        **D64, "swizzle_dq": False}
     assert backward.batched_overrides(64, {"tile_m": 64}, True, 1) == {"tile_m": 64}
     monkeypatch.setenv(backward.CONFIG_ENV, "swizzle_dq=0")
     assert backward.batched_overrides(128, None, True, 1) is None
