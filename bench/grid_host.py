@@ -7,9 +7,9 @@ backward's d=128 causal 1k cell, docs/performance.md).
     python bench/grid_host.py [--dir bwd] [--d 128] [--s 1024] [--causal 1]
     python bench/grid_host.py --profile 20    # then each call under cProfile: top 20 functions
 """
+import argparse
 import cProfile
 import pstats
-import argparse
 import statistics
 import time
 

@@ -88,13 +88,14 @@ def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monke
 # dQ turns; the 64-row variants above are varlen's), long calls and short ones (swizzled dQ
 # rows), plus its persistent (opt-in, lockstep) loop.
 D64_SHORT = backward.BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
-BATCHED_64 = [(*v, False, sq) for v in VARIANTS if v[1] == 64 for sq in (0, D64_SHORT)] + [
-    ("BFloat16", 64, False, True, False, True, 0), ("BFloat16", 64, True, False, False, True, 0)]
 # Known since session 28 (found in session 29, not yet fixed): with ds_before_dv, the GQA
 # non-causal kernel with swizzled dQ rows spills 4 words (1 STL, 3 LDL); dV first there is
 # spill-free but was not GPU-checked in that session.
-BATCHED_64 = [pytest.param(*v, marks=pytest.mark.xfail(strict=True, reason="4 words spilled"))
-              if v[2:] == (False, True, False, False, D64_SHORT) else v for v in BATCHED_64]
+D64_SPILLS = pytest.mark.xfail(strict=True, reason="4 words spilled")
+BATCHED_64 = [pytest.param(*v, False, sq, marks=D64_SPILLS)
+              if (v[2:], sq) == ((False, True, False), D64_SHORT) else (*v, False, sq)
+              for v in VARIANTS if v[1] == 64 for sq in (0, D64_SHORT)] + [
+    ("BFloat16", 64, False, True, False, True, 0), ("BFloat16", 64, True, False, False, True, 0)]
 
 
 @pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,persistent,seqlen_q", BATCHED_64,
