@@ -9,6 +9,7 @@
     python bench/exp_bwd.py --c128 tm64 talt_lse    # the same, causal
     python bench/exp_bwd.py --s1k default persistent  # the grid's 1k cells at d=64 / 128
     python bench/exp_bwd.py --cells 64:1024:0,64:16384:1 default tm128_m_first  # d:s:causal
+    python bench/exp_bwd.py --gqa 4 --cells 64:1024:0 default dv_first  # h / 4 KV heads
 A variant is a BwdSm90Config override of the main kernel (or deterministic=True), passed to
 backward.bwd as cfg_overrides: preprocess, postprocess and the host allocations follow its
 tile_m. "tm128" (d=64 only): tile_m = 128, the dQ tile split along its rows (dq_split "m").
@@ -44,7 +45,7 @@ session 4, so "tma_epi" = "default" and "reg_epi" is the register epilogue befor
 FLASH_CUTE_BWD_NUM_SMS=5 puts many tiles on each CTA of the checks, and of the timings too).
 Their varlen path (16-byte row stores instead of TMA) is checked as well: VARLEN_CHECKED.
 
-Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA-free), then all
+Each variant is checked against the fp32 oracle first (b=2, 333 x 517, GQA if --gqa), then all
 variants are timed interleaved over several rounds (median per variant), the whole backward
 (pre + main + post) per call, so clock drift hits all alike. Shapes: (d, seqlen, causal) with
 b = 16384 / seqlen, h = 2048 / d (16k tokens, model width 2048).
@@ -164,6 +165,11 @@ if "--cells" in ARGS:  # --cells 64:1024:0,64:16384:1 (d:seqlen:causal)
     i = ARGS.index("--cells")
     CELLS = [tuple(int(x) for x in c.split(":")) for c in ARGS[i + 1].split(",")]
     del ARGS[i:i + 2]
+GQA = 1  # --gqa 4: h / 4 KV heads (the timed shapes and the 333 x 517 check)
+if "--gqa" in ARGS:
+    i = ARGS.index("--gqa")
+    GQA = int(ARGS[i + 1])
+    del ARGS[i:i + 2]
 BOTH = "--also-short" in ARGS  # the long shapes, then the short ones, in one process
 if BOTH:
     ARGS.remove("--also-short")
@@ -223,13 +229,15 @@ for d, s, causal in SHAPES:
     if ONLY_D is not None and d not in ONLY_D:
         continue
     b, h = 16384 // s, 2048 // d
-    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-                     for _ in range(4))
+    q, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(b, s, h // GQA, d, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
     scale = d ** -0.5
     out, lse = dispatch.fwd(q, k, v, softmax_scale=scale, causal=causal)
     flops = 10 * b * s * s * h * d / (2 if causal else 1)
-    qs, ks, vs, dos = (t[:2, :333] for t in (q, k, v, dout))
-    ks, vs = (torch.randn(qs.shape[0], 517, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    qs, dos = (t[:2, :333] for t in (q, dout))
+    ks, vs = (torch.randn(qs.shape[0], 517, h // GQA, d, device="cuda", dtype=torch.bfloat16)
+              for _ in range(2))
     outs, lses = dispatch.fwd(qs, ks, vs, softmax_scale=scale, causal=causal)
     ref, low = (grads(qs, ks, vs, dos, up, causal=causal) for up in (True, False))
     fns = {}
