@@ -137,6 +137,9 @@ VARIANTS = {
     # Session 29: the batched d=64 tile staggered (backward.BATCHED_D64_STAGGER); this pins
     # the lockstep turns before it.
     "no_stagger": {"stagger": False},
+    # Session 30: the flags the varlen kernel runs with (bench/varlen_overhead.py), at once.
+    "varlen_flags": {"swizzle_dq": False, "ds_before_dv": False, "early_lse_d": False,
+                     "v_with_do": False},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.

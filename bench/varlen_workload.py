@@ -11,9 +11,12 @@ TFLOP/s count only the useful work, sum over sequences of 4 * L^2 * h * d / 2 (x
 backward), for every implementation. Forward, then forward + backward (one training step).
 
     python bench/varlen_workload.py [--tokens 16384] [--seed 0] [--d 128] [--rounds 5] [--kernels]
+    python bench/varlen_workload.py --max-len 1024    # short documents (lengths clamped)
     python bench/varlen_workload.py --bwd-configs "" early_lse_d=1   # ours only, interleaved
     python bench/varlen_workload.py --fwd-walks 0 dyn                 # ours only, interleaved
 
+--profile N: host time per training step (steps queued back to back) and cProfile's top N
+functions, ours and FA4's (the short-document workload's step is host-bound).
 --kernels: also one profiled training step per implementation (after the timings), its GPU
 time per kernel (torch.profiler), to split the step into forward, bwd_pre, main, bwd_post and
 the host-side glue (where the varlen backward's gap to FA4 lies).
@@ -25,8 +28,11 @@ step's GPU time per kernel (session 12: the persistent forward sped the forward 
 slowed the step).
 """
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
+import time
 
 import torch
 
@@ -37,11 +43,11 @@ WIDTH = 2048  # nheads * d, as in the benchmark grid
 LOG_MEAN, LOG_STD, MAX_LEN = 6.5, 1.0, 8192   # median ~665 tokens, a long tail
 
 
-def lengths(tokens, seed):
+def lengths(tokens, seed, max_len=MAX_LEN):
     g = torch.Generator().manual_seed(seed)
     out, left = [], tokens
     while left > 0:
-        n = int(torch.empty(1).log_normal_(LOG_MEAN, LOG_STD, generator=g).clamp(1, MAX_LEN))
+        n = int(torch.empty(1).log_normal_(LOG_MEAN, LOG_STD, generator=g).clamp(1, max_len))
         out.append(min(n, left))
         left -= out[-1]
     return out
@@ -51,14 +57,19 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=MAX_LEN,
+                   help="clamp the drawn lengths (e.g. 1024: short documents only)")
     p.add_argument("--d", type=int, default=128, choices=(64, 96, 128, 192, 256))
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--bwd-configs", nargs="+", metavar="SPEC")
     p.add_argument("--fwd-walks", nargs="+", metavar="VALUE")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then 30 training steps per implementation (not sdpa_pad) under "
+                        "cProfile: host us per step and the top N functions")
     args = p.parse_args()
     H, D = WIDTH // args.d, args.d
-    lens = lengths(args.tokens, args.seed)
+    lens = lengths(args.tokens, args.seed, args.max_len)
     total, b, longest = sum(lens), len(lens), max(lens)
     cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
     q, k, v, dout = (torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16)
@@ -127,6 +138,10 @@ def main():
     if args.kernels:
         for name, fn in impls.items():
             kernel_times(name, step(fn))
+    if args.profile:
+        for name, fn in impls.items():
+            if name != "sdpa_pad":
+                host_profile(name, step(fn), args.profile)
 
 
 def compare_configs(specs, run, flops, rounds):
@@ -167,6 +182,26 @@ def compare_fwd_walks(values, fwd, step, flops, rounds):
               f"fwd+bwd {t_fb:.3f} ms", flush=True)
         kernel_times(f"{PERSISTENT_FWD_ENV}={v}", step)
     os.environ.pop(PERSISTENT_FWD_ENV)
+
+
+def host_profile(name, run, top, steps=30):
+    """Where a training step's host time goes: ``steps`` steps queued back to back (the GPU
+    runs behind), their host time per step, then the same under cProfile."""
+    run()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        run()
+    host_us = (time.perf_counter() - t) / steps * 1e6
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        run()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"--- {name}: host {host_us:.0f} us per step; cProfile of {steps} steps (s)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 def kernel_times(name, run, steps=5, top=8):

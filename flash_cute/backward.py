@@ -276,6 +276,9 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
         cfg_overrides.setdefault("early_lse_d", False)
         # ds_before_dv measured 0.5-0.8% slower per varlen step in two runs (sessions 26, 27)
         cfg_overrides.setdefault("ds_before_dv", False)
+        # v_with_do (V on the first dO stage; its tail rows zeroed after that wait): the same
+        # GPU time per varlen step, 843 / 842 and 631 / 630 us (session 30): off unless asked.
+        cfg_overrides.setdefault("v_with_do", False)
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
     if cfg.timeline and (varlen or deterministic):
         raise NotImplementedError("BwdSm90Config.timeline: batched, non-deterministic calls only "

@@ -431,8 +431,9 @@ class BwdSm90Config:
     # A tile's V rides on its first dO stage's barrier instead of K's, and the loads go out
     # K, Q, V, dO: the first S^T = K Q^T waits for K and Q only, and V lands under it
     # (bench/bwd_timeline.py: K / V in took 1700-2700 cycles of a 1k tile's prologue, the
-    # SM's ingress shared with the first Q / dO stages). Narrow kernel, batched (varlen zeroes
-    # V's tail rows right after the K / V wait, so it keeps them together).
+    # SM's ingress shared with the first Q / dO stages). Narrow kernel. Varlen takes it only
+    # when asked (V's tail rows then zeroed after the first dO wait; no gain measured,
+    # backward._compile_main).
     v_with_do: bool = False
     # The CTA's tile coordinates (the scheduler's integer divisions) computed before the
     # shared-memory barriers' init and its CTA-wide sync instead of after it, and no

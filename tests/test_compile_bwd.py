@@ -723,16 +723,20 @@ def test_stagger_config():
 
 def test_v_with_do_config(tmp_path, monkeypatch):
     """cfg.v_with_do (V on the first dO stage's barrier): shipped for the narrow kernel, refused
-    by the wide one; the varlen kernel keeps K and V together (the same cubin either way)."""
+    by the wide one; the varlen kernel keeps K and V together unless asked (session 30: no
+    gain there), and asked, zeroes V's tail rows after the first dO wait, spill-free."""
     assert all(BwdSm90Config.for_head_dim(d).v_with_do for d in (64, 96, 128))
     assert not any(BwdSm90Config.for_head_dim(d).v_with_do for d in (192, 256))
     with pytest.raises(ValueError, match="v_with_do"):
         dataclasses.replace(BwdSm90Config.for_head_dim(256), v_with_do=True)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    cubins = [backward.bwd_cubin(ARCH, "BFloat16", 64, False, varlen=True, v_with_do=flag)
-              for flag in (False, True)]
-    assert cubins[0] == cubins[1]
+    default, together, asked = (
+        backward.bwd_cubin(ARCH, "BFloat16", 64, False, varlen=True, **flag)
+        for flag in ({}, {"v_with_do": False}, {"v_with_do": True}))
+    assert default == together and asked != default
+    ops = sass_opcodes(asked, tmp_path)
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, ops
 
 
 # lean_prologue: d=64 (128-row tile), d=128 GQA causal, d=128 varlen, d=64 persistent, d=256.

@@ -41,8 +41,9 @@ Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + 
 empty barrier: one arrive per consumer warp, 8):
 
     pipe_kv  load -> 8 mma warps, 1 stage, K and V together (2 * tile_n * d * 2 bytes);
-             cfg.v_with_do (batched): K alone, V counted on the tile's first dO stage
-             (loads go out K, Q, V, dO, so the first S^T waits for K and Q only).
+             cfg.v_with_do: K alone, V counted on the tile's first dO stage (loads go
+             out K, Q, V, dO, so the first S^T waits for K and Q only; varlen zeroes V's
+             tail rows after that stage's wait).
              One CTA per tile: acquired once, never released. Persistent: once per tile;
              the mma warps release it after the tile's last m_step, whose dQ wgmma (the last
              reader of sK; sV's last is that block's dP^T) they have waited on, so the next
@@ -162,7 +163,7 @@ class FlashBwdSm90(DqTile):
         # spilled 8-20 bytes with it at d=128 (a reload per query block). cfg.early_lse_d is
         # read as is (varlen: off unless asked for, backward._compile_main).
         self.uniform_dq_desc = cfg.uniform_dq_desc and not varlen
-        self.v_with_do = cfg.v_with_do and not varlen  # varlen: see BwdSm90Config.v_with_do
+        self.v_with_do = cfg.v_with_do
 
     @property
     def gqa(self) -> bool:
@@ -683,6 +684,11 @@ class FlashBwdSm90(DqTile):
         if const_expr(self.varlen):
             keys = seqlen_k - n_block * tn
             if keys < tn:
+                if const_expr(self.v_with_do):
+                    # V rides on the tile's first dO stage (none without query blocks: then
+                    # nothing reads sV); the first block's own wait then passes at once.
+                    if m_begin < m_end:
+                        pipe_do.consumer_wait(st)
                 self.zero_tail_rows((sK, sV), keys, tidx)
             q_tail_rows = seqlen_q - (m_end - 1) * tm
             q_tail = m_end - 1 if q_tail_rows < tm else Int32(-1)
