@@ -2,6 +2,8 @@
 open item 1: the short cells' per-tile cost).
 
     python bench/bwd_timeline.py [--d 64 128] [--s 1024 4096] [--causal 0 1] [--cfg F=1 ..]
+    python bench/bwd_timeline.py --varlen --d 128 --s 1024 --causal 1 --cfg swizzle_dq=0 \
+        ds_before_dv=0 early_lse_d=0 v_with_do=0    # batched vs the same tokens packed
 
 Per grid cell (bf16, 16k tokens, 2048 / d heads, the shipped tile): one warm-up backward, then
 one whose CTAs stamp their phases (config.BWD_TIMELINE: the SM clock at each phase's end).
@@ -18,6 +20,8 @@ mma thread's entry stamp), kv wait (issued -> in), wg2 lag (the second mma warpg
 block done minus the first's: what the first waits for at the epilogue's barrier)
 
 and each phase's share of the summed SM time (every CTA's start to its end, plus the gaps).
+--varlen: each cell also through varlen_bwd, its b sequences of s tokens packed (the same
+work; --cfg applies to both, so the varlen kernel's flags make the batched kernel its twin).
 """
 import argparse
 import statistics
@@ -35,7 +39,7 @@ DETAILS = ("issue", "kv wait", "wg2 lag")
 def phases(stamps):
     """stamps: (tiles, len(BWD_TIMELINE)) ints, as the kernel wrote them. Returns {phase: list
     of cycles} (the SM clock is 32 bits: differences modulo 2^32), "per block" included."""
-    rows = [[int(x) for x in r] for r in stamps]
+    rows = [[int(x) for x in r] for r in stamps if any(int(x) for x in r)]  # varlen: unused
     delta = lambda a, b: (b - a) % (1 << 32)  # noqa: E731
 
     def signed(a, b):
@@ -89,6 +93,8 @@ def main():
     p.add_argument("--cfg", nargs="*", default=[], metavar="FIELD=INT",
                    help="BwdSm90Config overrides on top of the shipped tile, e.g. "
                         "stagger=0")
+    p.add_argument("--varlen", action="store_true",
+                   help="also the same tokens packed, through the varlen kernel")
     a = p.parse_args()
     extra = {k: int(v) for k, v in (x.split("=") for x in a.cfg)}
     for d in a.d:
@@ -103,6 +109,18 @@ def main():
                                  causal=bool(causal), cfg_overrides={"timeline": True, **extra})
                 torch.cuda.synchronize()
                 report(f"d={d} s={s} causal={causal}", phases(backward.last_timeline.cpu()))
+                if a.varlen:
+                    cu = torch.arange(0, b * s + 1, s, dtype=torch.int32, device="cuda")
+                    packed = [t.reshape(b * s, h, d) for t in (do, q, k, v, out)]
+                    lse_packed = lse.permute(1, 0, 2).reshape(h, b * s).contiguous()
+                    for _ in range(2):
+                        backward.varlen_bwd(*packed, lse_packed, cu_seqlens_q=cu,
+                                            cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s,
+                                            softmax_scale=d ** -0.5, causal=bool(causal),
+                                            cfg_overrides={"timeline": True, **extra})
+                    torch.cuda.synchronize()
+                    report(f"d={d} s={s} causal={causal} varlen",
+                           phases(backward.last_timeline.cpu()))
 
 
 if __name__ == "__main__":

@@ -70,11 +70,12 @@ import torch
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
                      BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections)
 from .dispatch import NO_VARLEN, compile_kernel
+from .kernels.common.scheduler import varlen_num_tiles
 from .kernels.common.seqlen import pad_offset
 
 DEFAULT_ARCH = "sm_90a"
-# BwdSm90Config.timeline: the last batched call's stamps, (tiles, len(BWD_TIMELINE)) int32 on
-# the GPU (bench/bwd_timeline.py reads them).
+# BwdSm90Config.timeline: the last call's stamps, (tiles, len(BWD_TIMELINE)) int32 on the GPU
+# (bench/bwd_timeline.py reads them; varlen: rows of CTAs past the last tile stay 0).
 last_timeline = None
 # bwd_pre / bwd_post's varlen arguments (cu_seqlens_q, seqused_q) when batched.
 NO_VARLEN_Q = (None,) * 2
@@ -280,8 +281,8 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
         # GPU time per varlen step, 843 / 842 and 631 / 630 us (session 30): off unless asked.
         cfg_overrides.setdefault("v_with_do", False)
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
-    if cfg.timeline and (varlen or deterministic):
-        raise NotImplementedError("BwdSm90Config.timeline: batched, non-deterministic calls only "
+    if cfg.timeline and deterministic:
+        raise NotImplementedError("BwdSm90Config.timeline: non-deterministic calls only "
                                   "(its stamps take the semaphores' buffer)")
     kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
     dkv_dt = cutlass.Float32 if gqa else dt
@@ -678,7 +679,13 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if seqused_k is not None:  # the kernel writes no key row past seqused_k
         dk.zero_(), dv.zero_()
     q, k, v = (_tma_ready(t.detach()) for t in (q, k, v))
-    sem = _semaphores((h, rows // cfg.tile_m), deterministic, q.device)
+    if cfg.timeline:  # as in bwd: one row of stamps per CTA of the grid (a bound)
+        sem = torch.zeros((varlen_num_tiles(total_k, batch, cfg.tile_n, h), len(BWD_TIMELINE)),
+                          dtype=torch.int32, device=q.device)
+        global last_timeline
+        last_timeline = sem  # CTAs past the last tile stamp nothing: their rows stay 0
+    else:
+        sem = _semaphores((h, rows // cfg.tile_m), deterministic, q.device)
     if gqa:
         dk_out, dv_out = _dkv_sums((total_k, h, d), q.device,
                                    torch.empty if seqused_k is None else torch.zeros)

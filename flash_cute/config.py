@@ -424,9 +424,10 @@ class BwdSm90Config:
     # and at the batched d=64 128-row tile (backward.BATCHED_D64_STAGGER); the 64-row d=64 /
     # d=96 tiles lost 1-11% with it (session 29).
     stagger: bool = False
-    # Diagnostic (bench/bwd_timeline.py): every CTA of the batched one-tile-per-CTA kernel
-    # writes globaltimer stamps of its phases and its SM (BWD_TIMELINE) into the semaphore
-    # buffer, which backward.bwd then sizes for it. Not with deterministic (its semaphores).
+    # Diagnostic (bench/bwd_timeline.py): every CTA of the one-tile-per-CTA kernel (batched
+    # or varlen) writes globaltimer stamps of its phases and its SM (BWD_TIMELINE) into the
+    # semaphore buffer, which backward.bwd / varlen_bwd then size for it. Not with
+    # deterministic (its semaphores).
     timeline: bool = False
     # A tile's V rides on its first dO stage's barrier instead of K's, and the loads go out
     # K, Q, V, dO: the first S^T = K Q^T waits for K and Q only, and V lands under it

@@ -875,17 +875,20 @@ def test_bwd_tile_m128_stagger_ptxas(dtype, causal, gqa, deterministic, varlen, 
 
 @pytest.mark.parametrize("d,causal", [(64, False), (128, False), (128, True)])
 def test_bwd_timeline_compiles(d, causal, tmp_path, monkeypatch):
-    """BwdSm90Config.timeline (bench/bwd_timeline.py) on the shipped batched tiles: spill-free,
-    with its clock reads; batched, non-deterministic calls only."""
+    """BwdSm90Config.timeline (bench/bwd_timeline.py) on the shipped batched tiles and the
+    varlen kernel: spill-free, with its clock reads; non-deterministic calls only."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
     ov = {**(backward.batched_overrides(d, None, causal, 4096) or {}), "timeline": True}
     ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, **ov), tmp_path)
     check_main_sass(ops)
     assert ops.get("CS2R", 0) + ops.get("S2R", 0) + ops.get("S2UR", 0) > 0
-    for kw in ({"deterministic": True}, {"varlen": True}):
-        with pytest.raises(NotImplementedError, match="timeline"):
-            backward.bwd_cubin(ARCH, "BFloat16", d, causal, **kw, **ov)
+    with pytest.raises(NotImplementedError, match="timeline"):
+        backward.bwd_cubin(ARCH, "BFloat16", d, causal, deterministic=True, **ov)
+    varlen = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, varlen=True,
+                                             timeline=True), tmp_path)
+    check_main_sass(varlen)
+    assert varlen.get("CS2R", 0) + varlen.get("S2R", 0) + varlen.get("S2UR", 0) > 0
 
 
 # p16_view (tile_m 128 / 80: P^T's 16-bit copy shared with the dV operand, unpacked per word
