@@ -28,9 +28,7 @@ step's GPU time per kernel (session 12: the persistent forward sped the forward 
 slowed the step).
 """
 import argparse
-import cProfile
 import os
-import pstats
 import statistics
 import time
 
@@ -186,7 +184,8 @@ def compare_fwd_walks(values, fwd, step, flops, rounds):
 
 def host_profile(name, run, top, steps=30):
     """Where a training step's host time goes: ``steps`` steps queued back to back (the GPU
-    runs behind), their host time per step, then the same under cProfile."""
+    runs behind), their host time per step, then host_cost.profile's cProfile of them."""
+    from host_cost import profile  # here: host_cost imports this module
     run()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -194,14 +193,8 @@ def host_profile(name, run, top, steps=30):
         run()
     host_us = (time.perf_counter() - t) / steps * 1e6
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        run()
-    prof.disable()
-    torch.cuda.synchronize()
-    print(f"--- {name}: host {host_us:.0f} us per step; cProfile of {steps} steps (s)")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    print(f"--- {name}: host {host_us:.0f} us per step; cProfile of {steps} steps:")
+    profile(run, n=steps, top=top)
 
 
 def kernel_times(name, run, steps=5, top=8):
