@@ -56,6 +56,7 @@ import sys
 import torch
 
 from check_fwd import timeit  # bench/ is on sys.path when run as a script
+from varlen_overhead import VARLEN_FLAGS
 from flash_cute import backward, dispatch
 from flash_cute.config import BWD_LOCKSTEP_128
 from flash_cute.reference import attention_ref, check_grads_close
@@ -137,9 +138,8 @@ VARIANTS = {
     # Session 29: the batched d=64 tile staggered (backward.BATCHED_D64_STAGGER); this pins
     # the lockstep turns before it.
     "no_stagger": {"stagger": False},
-    # Session 30: the flags the varlen kernel runs with (bench/varlen_overhead.py), at once.
-    "varlen_flags": {"swizzle_dq": False, "ds_before_dv": False, "early_lse_d": False,
-                     "v_with_do": False},
+    # Session 30: the flags the varlen kernel runs with, at once.
+    "varlen_flags": VARLEN_FLAGS,
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.

@@ -22,6 +22,8 @@ import torch
 from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from flash_cute import backward, dispatch
 
+# What the varlen kernel runs with (backward._compile_main, batched_overrides not applied);
+# exp_bwd.py's "varlen_flags" variant too.
 VARLEN_FLAGS = {"swizzle_dq": False, "ds_before_dv": False, "early_lse_d": False,
                 "v_with_do": False}
 ROUNDS = 5
