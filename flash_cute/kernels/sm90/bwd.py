@@ -269,7 +269,8 @@ class FlashBwdSm90(DqTile):
 
         self.shared_storage = SharedStorage
         sections = (heads_per_section, tail_section)
-        count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, *sections)[1]
+        count = self.tile_order(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                                *sections)[1]
         grid = (count, 1, 1)
         if const_expr(self.persistent):
             grid = scheduler.persistent_grid(count, num_sms)
@@ -408,9 +409,9 @@ class FlashBwdSm90(DqTile):
     def cta_tiles(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, section,
                   tail_section):
         """(this CTA's tiles, whether it runs): its one KeyTile, or the persistent walk."""
-        tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
-                          mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
-        coords, count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, section, tail_section)
+        tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensK=mCuSeqlensK)
+        coords, count = self.tile_order(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                                        section, tail_section)
         if const_expr(self.persistent):
             # Every role walks the same tiles (each_tile) and skips the same empty ones.
             return PersistentTiles(tile_at, coords, count), True
@@ -420,14 +421,17 @@ class FlashBwdSm90(DqTile):
         tile = tile_at(*coords(cute.arch.block_idx()[0]))
         return tile, tile.has_keys
 
-    def tile_order(self, mQ, mK, mCuSeqlensK, mSeqUsedK, section, tail_section):
-        """(tile number -> (n_block, head, batch), tile count; varlen: a bound). Key blocks
+    def tile_order(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, section,
+                   tail_section):
+        """(tile number -> (n_block, head, batch[, lens]), tile count; varlen: a bound). Key blocks
         ascending: the longest first (causal) and n after n-1 (deterministic)."""
         nheads = mQ.shape[2]
         if const_expr(self.varlen):
+            # The queries' offset and length come out of the same scan (key_tile's ``lens``).
             return (partial(scheduler.varlen_tile_coords, mCuSeqlens=mCuSeqlensK,
                             mSeqUsed=mSeqUsedK, tile_rows=self.tile_n, nheads=nheads,
-                            section=section, reverse_blocks=False),
+                            section=section, reverse_blocks=False, mCuOther=mCuSeqlensQ,
+                            mUsedOther=mSeqUsedQ),
                     scheduler.varlen_num_tiles(mK.shape[0], mCuSeqlensK.shape[0] - 1,
                                                self.tile_n, nheads))
         num_blocks, num_hb = cute.ceil_div(mK.shape[0], self.tile_n), nheads * mQ.shape[3]
@@ -437,16 +441,20 @@ class FlashBwdSm90(DqTile):
                 scheduler.num_tiles(num_blocks, num_hb))
 
     @cute.jit
-    def key_tile(self, n_block: Int32, head: Int32, batch: Int32, mQ: cute.Tensor,
-                 mK: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
-                 mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-                 mSeqUsedK: Optional[cute.Tensor]) -> KeyTile:
+    def key_tile(self, n_block: Int32, head: Int32, batch: Int32, lens=None,
+                 mQ: cute.Tensor = None, mK: cute.Tensor = None,
+                 mCuSeqlensK: Optional[cute.Tensor] = None) -> KeyTile:
+        """``lens`` (varlen): (offset_k, seqlen_k, offset_q, seqlen_q) of the tile's sequence
+        as the scan read them (all 0 past the last tile)."""
         has_keys = True
         if const_expr(self.varlen):  # past the last tile: no sequence (reads kept in bounds)
             has_keys = batch < mCuSeqlensK.shape[0] - 1
             batch = cutlass.min(batch, mCuSeqlensK.shape[0] - 2)
-        seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                                pad_tile_m=self.tile_m)
+            offset_k, seqlen_k, offset_q, seqlen_q = lens
+            seq = SeqlenInfo.from_lengths(batch, offset_q, seqlen_q, offset_k, seqlen_k,
+                                          pad_tile_m=self.tile_m)
+        else:
+            seq = SeqlenInfo.create(batch, mQ, mK, pad_tile_m=self.tile_m)
         m_begin = Int32(0)
         if const_expr(self.causal):
             m_begin = block_info.m_block_min_causal(n_block, self.tile_m, self.tile_n,

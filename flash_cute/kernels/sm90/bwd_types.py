@@ -56,8 +56,8 @@ class KeyTile:
 @dataclass(frozen=True)
 class PersistentTiles:
     """Persistent: tile numbers (common/scheduler.py) and how one becomes a KeyTile."""
-    tile_at: Callable  # (n_block, head, batch) -> KeyTile
-    coords: Callable   # tile number -> (n_block, head, batch)
+    tile_at: Callable  # (n_block, head, batch[, lens]) -> KeyTile
+    coords: Callable   # tile number -> (n_block, head, batch[, lens: varlen])
     count: Int32       # tile numbers (varlen: a bound)
 
     def num_tiles(self):
