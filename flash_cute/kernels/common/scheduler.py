@@ -110,22 +110,22 @@ def varlen_num_tiles(total_rows, num_batch, tile_rows: int, nheads):
 @cute.jit
 def varlen_tile_coords(tile: Int32, mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tensor,
                        tile_rows: cutlass.Constexpr[int], nheads: Int32, section: Int32,
-                       reverse_blocks: cutlass.Constexpr[bool], mCuOther=None, mUsedOther=None):
+                       reverse_blocks: cutlass.Constexpr[bool],
+                       lens: cutlass.Constexpr[bool] = False, mCuOther=None, mUsedOther=None):
     """(block, head, batch) of varlen tile number ``tile`` (the module docstring's order); batch
     = num_batch when ``tile`` is past the last one. Warp-collective: every lane of the warp must
     call it with the same ``tile``. A sequence counts min(cu[b+1] - cu[b], seqused[b]) rows.
 
-    With ``mCuOther`` / ``mUsedOther`` (the other side's cu_seqlens / seqused, e.g. the
-    queries of a key-block tile) it returns (block, head, batch, (offset, rows, offset_other,
-    rows_other)) of the tile's sequence: each lane loads its sequence's values of both sides
-    in the scan's own round of loads, so the caller needs no second, dependent round (0s past
-    the last tile)."""
+    ``lens``: also (offset, rows, offset_other, rows_other) of the tile's sequence, as the
+    scan read them (all 0 past the last tile), so the caller needs no second, dependent round
+    of loads; the other side's (e.g. the queries of a key-block tile) from ``mCuOther`` /
+    ``mUsedOther``, loaded in the scan's own round (0 without them)."""
     lane = cute.arch.lane_idx()
     num_batch = mCuSeqlens.shape[0] - 1
     batch, in_seq, num_blocks = num_batch, Int32(0), Int32(1)
     group, before = Int32(0), Int32(0)  # first sequence of this step; tiles before it
-    # The tile's sequence's offset and rows, both sides (with mCuOther; scalars, not a list:
-    # the DSL carries names through its loops and branches).
+    # The tile's sequence's offset and rows, both sides (``lens``; scalars, not a list: the
+    # DSL carries names through its loops and branches).
     f_off, f_rows, f_off_o, f_rows_o = Int32(0), Int32(0), Int32(0), Int32(0)
     while group < num_batch:
         b = group + lane
@@ -150,18 +150,19 @@ def varlen_tile_coords(tile: Int32, mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tens
             batch = group + hit
             in_seq = tile - before - cute.arch.shuffle_sync(upto - count, hit)
             num_blocks = cute.arch.shuffle_sync(count, hit) // nheads
-            if const_expr(mCuOther is not None):
+            if const_expr(lens):
                 f_off = cute.arch.shuffle_sync(off, hit)
                 f_rows = cute.arch.shuffle_sync(rows, hit)
-                f_off_o = cute.arch.shuffle_sync(off_o, hit)
-                f_rows_o = cute.arch.shuffle_sync(rows_o, hit)
+                if const_expr(mCuOther is not None):
+                    f_off_o = cute.arch.shuffle_sync(off_o, hit)
+                    f_rows_o = cute.arch.shuffle_sync(rows_o, hit)
             group = num_batch
         else:
             before += cute.arch.shuffle_sync(upto, 31)
             group += 32
     block, head, _ = tile_coords(in_seq, num_blocks, nheads, nheads, section, None,
                                  reverse_blocks)
-    if const_expr(mCuOther is None):
+    if const_expr(not lens):
         return block, head, batch
     return block, head, batch, (f_off, f_rows, f_off_o, f_rows_o)
 

@@ -430,8 +430,8 @@ class FlashBwdSm90(DqTile):
             # The queries' offset and length come out of the same scan (key_tile's ``lens``).
             return (partial(scheduler.varlen_tile_coords, mCuSeqlens=mCuSeqlensK,
                             mSeqUsed=mSeqUsedK, tile_rows=self.tile_n, nheads=nheads,
-                            section=section, reverse_blocks=False, mCuOther=mCuSeqlensQ,
-                            mUsedOther=mSeqUsedQ),
+                            section=section, reverse_blocks=False, lens=True,
+                            mCuOther=mCuSeqlensQ, mUsedOther=mSeqUsedQ),
                     scheduler.varlen_num_tiles(mK.shape[0], mCuSeqlensK.shape[0] - 1,
                                                self.tile_n, nheads))
         num_blocks, num_hb = cute.ceil_div(mK.shape[0], self.tile_n), nheads * mQ.shape[3]

@@ -95,13 +95,14 @@ class FlashBwdPostSm90:
         heads = mOut.shape[1]
         # Every row of a sequence gets written, so its tiles count cu_seqlens' lengths (the
         # shifted cu_seqlens bounds them from above, as seqused).
-        block, head, batch = scheduler.varlen_tile_coords(
+        # The lookup's one round of loads also brings the used length (lens' other side).
+        block, head, batch, (offset_q, rows, _, seqlen_q) = scheduler.varlen_tile_coords(
             cute.arch.block_idx()[0], mCuSeqlensQ, cute.domain_offset((1,), mCuSeqlensQ),
-            self.tile_m, heads, heads, False)
+            self.tile_m, heads, heads, False, lens=True, mCuOther=mCuSeqlensQ,
+            mUsedOther=mSeqUsedQ)
         if batch < mCuSeqlensQ.shape[0] - 1:
-            seq = SeqlenInfo.create(batch, None, None, mCuSeqlensQ, None, mSeqUsedQ, None,
-                                    pad_tile_m=self.tile_m)
-            rows = mCuSeqlensQ[batch + 1] - seq.offset_q
+            seq = SeqlenInfo.from_lengths(batch, offset_q, seqlen_q, 0, 0,
+                                          pad_tile_m=self.tile_m)
             vecs_per_row = self.d // VEC
             for i in cutlass.range_constexpr(-(-self.tile_m * vecs_per_row // THREADS)):
                 v = i * THREADS + tidx
