@@ -49,7 +49,7 @@ empty barrier: one arrive per consumer warp, 8):
              reader of sK; sV's last is that block's dP^T) they have waited on, so the next
              tile's K/V load runs under this tile's epilogue (registers -> global, no smem).
              cfg.tma_epilogue (dK / dV staged in sK / sV): the storing warp alone releases
-             it, once its TMA stores have read them (varlen: the 8 warps, after their stores).
+             it, once its TMA stores have read them (persistent varlen: row stores, the 8 warps).
     pipe_q   load -> 8 mma warps, `stages` stages: Q tile + LSE_log2 tile on one barrier.
     pipe_do  load -> 8 mma warps, `stages` stages: dO tile + D tile on one barrier.
     pipe_q and pipe_do advance in lockstep, so one PipelineState (index, phase) per side serves
@@ -182,6 +182,12 @@ class FlashBwdSm90(DqTile):
         outputs (twice sK / sV's bytes) keep the register stores."""
         return self.cfg.tma_epilogue and self.dkv_dtype == self.dtype
 
+    @property
+    def tma_dkv(self) -> bool:
+        """The staged dK / dV leave by TMA (varlen: a sequence's full key blocks). Not the
+        persistent varlen kernel: its row stores release K/V from every mma warp."""
+        return self.staged_dkv and not (self.varlen and self.persistent)
+
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -238,12 +244,16 @@ class FlashBwdSm90(DqTile):
             cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(tm), (tm,))
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mD, cute.make_layout(tm), (tm,))
-        tma_dk = tma_dv = None  # staged epilogue, batched: TMA stores of dK / dV from sK / sV
-        if const_expr(self.staged_dkv and not self.varlen):
-            tma_dk, mdK = cpasync.make_tiled_tma_atom(
+        # Staged epilogue: TMA stores of dK / dV from sK / sV. Batched, the TMA views replace
+        # mdK / mdV; varlen keeps both (a sequence's last key block takes row stores).
+        tma_dk = tma_dv = tma_mdK = tma_mdV = None
+        if const_expr(self.tma_dkv):
+            tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
-            tma_dv, mdV = cpasync.make_tiled_tma_atom(
+            tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
+            if const_expr(not self.varlen):
+                mdK, mdV, tma_mdK, tma_mdV = tma_mdK, tma_mdV, None, None
         q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
         self.q_stage_bytes = q_bytes + tm * 4        # Q (or dO) tile + LSE (or D) row
         self.v_bytes = cute.size_in_bytes(dt, sV_layout)
@@ -278,7 +288,7 @@ class FlashBwdSm90(DqTile):
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                    mSeqUsedK, *sections, tma_dk, tma_dv).launch(
+                    mSeqUsedK, *sections, tma_dk, tma_dv, tma_mdK, tma_mdV).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -349,7 +359,8 @@ class FlashBwdSm90(DqTile):
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], section: Int32, tail_section: Optional[Int32],
-               tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom]):
+               tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom],
+               tma_mdK: Optional[cute.Tensor], tma_mdV: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv):
@@ -400,7 +411,8 @@ class FlashBwdSm90(DqTile):
                     self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
-                self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv), sQ, sK, sV,
+                self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv, tma_mdK,
+                                                            tma_mdV), sQ, sK, sV,
                          sdO, sdS, sLSE, sD, sdQ, pipe_kv, pipe_q, pipe_do, scale_log2,
                          dk_scale, tiles, mSem if const_expr(self.cfg.timeline) else None)
         else:
@@ -926,16 +938,20 @@ class FlashBwdSm90(DqTile):
         if const_expr(self.staged_dkv):
             gdK, gdV = [cute.local_tile(seq.k_rows(t, tile.head, tile.batch), (tn, d),
                                         (n_block, 0)) for t in (dkv.mdK, dkv.mdV)]
+            tma_g = None  # varlen: the TMA views for the sequence's full key blocks
+            if const_expr(self.varlen and self.tma_dkv):
+                tma_g = [cute.local_tile(seq.k_rows(t, tile.head, tile.batch), (tn, d),
+                                         (n_block, 0)) for t in (dkv.tma_mdK, dkv.tma_mdV)]
             # sK / sV are free once no wgmma reads them: each warpgroup waited for its last
             # (dQ reads all of sK) in its last m_step, and KV_FREE gathers both. Persistent:
             # the next tile's K / V load waits for this release.
             store_staged(mma_dkv, (tdKrdK, tdVrdV), (sK, sV), (gdK, gdV), tidx,
                          NUM_MMA_WG * WG_THREADS, int(Barrier.KV_FREE),
                          int(Barrier.DKV_STAGED), STORE_WARP,
-                         None if const_expr(self.varlen) else (dkv.tma_dk, dkv.tma_dv),
+                         (dkv.tma_dk, dkv.tma_dv) if const_expr(self.tma_dkv) else None,
                          seq.seqlen_k - n_block * tn,
                          partial(pipe_kv.consumer_release, kv) if const_expr(self.persistent)
-                         else None)
+                         else None, tma_g)
         else:  # its own gdK / gdV, in the measured order (shared, d=256's PTX changed)
             cKV = cute.make_identity_tensor((tn, d))
             tdKVcKV = acc_as_mn(mma_dkv.get_slice(tidx).partition_C(cKV))

@@ -93,9 +93,12 @@ class LoadOperands:
 
 @dataclass(frozen=True)
 class DkvOut:
-    """Where dK and dV go: the global tensors (staged batched epilogue: their TMA views) and
-    the TMA store atoms (None unless the epilogue stores by TMA)."""
+    """Where dK and dV go: the global tensors (staged batched epilogue: their TMA views), the
+    TMA store atoms (None unless the epilogue stores by TMA) and, varlen, the TMA views beside
+    the tensors (a sequence's last, partial key block takes row stores)."""
     mdK: cute.Tensor
     mdV: cute.Tensor
     tma_dk: Optional[cute.CopyAtom]
     tma_dv: Optional[cute.CopyAtom]
+    tma_mdK: Optional[cute.Tensor] = None
+    tma_mdV: Optional[cute.Tensor] = None
