@@ -409,13 +409,18 @@ class BwdSm90Config:
     pdl: bool = False
     # dK / dV leave through shared memory (docs/bwd_vs_fa4.md P3): converted to the input
     # dtype and staged in sK / sV (free once the tile's last wgmma has read them), then one
-    # TMA store each (varlen: predicated 16-byte row stores, since a TMA box would write the
-    # next sequence's rows). Off: predicated 4-byte stores from the accumulators (half-used
-    # 32-byte sectors under ncu). GQA (fp32 per-query-head dK / dV, twice the bytes of sK /
+    # TMA store each (varlen: see varlen_tma_store). Off: predicated 4-byte stores from the
+    # accumulators (half-used 32-byte sectors under ncu). GQA (fp32 per-query-head dK / dV, twice the bytes of sK /
     # sV) keeps the register stores. On: +2% geomean over 14 shapes, +3-5% at s <= 2k (H200,
     # bench/exp_bwd.py --also-short default tma_epi). The persistent kernel keeps the register
     # stores unless asked (backward._compile_main): that pairing never ran on a GPU.
     tma_epilogue: bool = True
+    # Varlen with tma_epilogue: a sequence's full key blocks leave by TMA store too, only its
+    # last, partial block by predicated 16-byte row stores (a box would write the next
+    # sequence's rows); off: row stores for every block, whose drain the CTA waits for at exit
+    # (session 30's timeline: the varlen gap between CTAs 3200 cycles vs 1260 batched). The
+    # persistent varlen kernel keeps the row stores. Not yet GPU-checked or timed.
+    varlen_tma_store: bool = True
     # dq_split "alt" only: the warpgroup without the dQ turn of a query block only arrives at
     # the dS barrier and skips the dQ hand-off, so the two warpgroups run about a dQ GEMM
     # apart instead of meeting twice per block (the lockstep that left both running their

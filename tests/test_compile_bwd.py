@@ -271,8 +271,8 @@ def test_bwd_pre_two_passes_at_d128(tmp_path, monkeypatch):
     assert ops.get("LDG", 0) >= 2 * 2 * 4 and ops.get("STG", 0) >= 2 * 8
 
 
-# cfg.tma_epilogue (opt-in): dK / dV staged in sK / sV, then TMA stores (varlen: 16-byte row
-# stores). Columns: dtype, d, causal, gqa, deterministic, varlen, persistent; d=256 is the wide
+# cfg.tma_epilogue: dK / dV staged in sK / sV, then TMA stores (varlen: a sequence's full key
+# blocks, 16-byte row stores for its last; persistent varlen: row stores only). Columns: dtype, d, causal, gqa, deterministic, varlen, persistent; d=256 is the wide
 # kernel (64-key tiles).
 TMA_EPI_VARIANTS = [
     ("BFloat16", 128, True, False, False, False, False),
@@ -288,7 +288,8 @@ def test_bwd_main_tma_epilogue_compiles(dtype, d, causal, gqa, deterministic, va
                                         persistent, tmp_path, monkeypatch):
     """ptxas-clean (no spills, wgmma not serialized), the main loop's HGMMA unchanged, and the
     epilogue through shared memory: one stmatrix per 8 elements of dK and dV per thread, then
-    TMA stores and no global store (varlen: 16-byte stores only, none of 4 bytes)."""
+    TMA stores and no global store (varlen: TMA stores beside 16-byte row stores, none of 4
+    bytes; persistent varlen and cfg.varlen_tma_store off: the row stores alone)."""
     monkeypatch.chdir(tmp_path)
     args = (dtype, d, causal, gqa, deterministic)
     ptx = backward.bwd_ptx(ARCH, *args, varlen=varlen, persistent=persistent, tma_epilogue=True)
@@ -301,8 +302,12 @@ def test_bwd_main_tma_epilogue_compiles(dtype, d, causal, gqa, deterministic, va
     tile_elems = BwdSm90Config.for_head_dim(d).tile_n * d  # of dK (and of dV)
     assert ops["STSM"] - default.get("STSM", 0) == 2 * tile_elems // (8 * MMA_THREADS), ops
     if varlen:
-        assert ops.get("UTMASTG", 0) == 0
+        assert (ops.get("UTMASTG", 0) > 0) == (not persistent), ops
         assert ops["STG"] == 2 * tile_elems * 2 // (16 * MMA_THREADS), ops  # 16-byte stores
+        if not persistent:
+            rows_only = sass_opcodes(backward.bwd_cubin(
+                ARCH, *args, varlen=True, tma_epilogue=True, varlen_tma_store=False), tmp_path)
+            assert rows_only.get("UTMASTG", 0) == 0 and rows_only["STG"] == ops["STG"], rows_only
     else:
         assert ops.get("UTMASTG", 0) > 0 and ops.get("STG", 0) == 0, ops
 

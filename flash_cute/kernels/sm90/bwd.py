@@ -184,9 +184,11 @@ class FlashBwdSm90(DqTile):
 
     @property
     def tma_dkv(self) -> bool:
-        """The staged dK / dV leave by TMA (varlen: a sequence's full key blocks). Not the
-        persistent varlen kernel: its row stores release K/V from every mma warp."""
-        return self.staged_dkv and not (self.varlen and self.persistent)
+        """The staged dK / dV leave by TMA (varlen: a sequence's full key blocks, with
+        cfg.varlen_tma_store). Not the persistent varlen kernel: its row stores release K/V
+        from every mma warp."""
+        return self.staged_dkv and not (self.varlen and (self.persistent or
+                                                         not self.cfg.varlen_tma_store))
 
     # ------------------------------------------------------------------------------ host
     @cute.jit
