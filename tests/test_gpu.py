@@ -915,6 +915,21 @@ def test_varlen_grads(d, causal):
     check_varlen_grads([0, 1, 200, 77, 129], [5, 1, 300, 0, 64], 4, 2, d, causal=causal)
 
 
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in oracle would read the NaN rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_varlen_grads_full_key_blocks(d, causal):
+    """Without GQA dK / dV leave in the input dtype through sK / sV: a sequence's full key
+    blocks by TMA store (BwdSm90Config.varlen_tma_store), its partial last block by row
+    stores. Lengths at and around the 64- and 128-key blocks; NaN past seqused, where a
+    sequence's used rows end inside a block the TMA would otherwise have stored whole."""
+    lens_q, lens_k = [128, 64, 300, 1, 256, 200], [128, 64, 257, 129, 256, 200]
+    used_q, used_k = [128, 64, 300, 1, 200, 200], [128, 64, 257, 129, 256, 192]
+    check_varlen_grads(lens_q, lens_k, 2, 2, d, causal=causal, nan_unused=True,
+                       seqused_q=torch.tensor(used_q, dtype=torch.int32, device=DEVICE),
+                       seqused_k=torch.tensor(used_k, dtype=torch.int32, device=DEVICE))
+
+
 def test_varlen_grads_seqused():
     used_q = torch.tensor([1, 150, 0], dtype=torch.int32, device=DEVICE)
     used_k = torch.tensor([3, 100, 20], dtype=torch.int32, device=DEVICE)
