@@ -410,8 +410,8 @@ class BwdSm90Config:
     # dK / dV leave through shared memory (docs/bwd_vs_fa4.md P3): converted to the input
     # dtype and staged in sK / sV (free once the tile's last wgmma has read them), then one
     # TMA store each (varlen: see varlen_tma_store). Off: predicated 4-byte stores from the
-    # accumulators (half-used 32-byte sectors under ncu). GQA (fp32 per-query-head dK / dV, twice the bytes of sK /
-    # sV) keeps the register stores. On: +2% geomean over 14 shapes, +3-5% at s <= 2k (H200,
+    # accumulators (half-used 32-byte sectors under ncu). GQA (fp32 per-query-head dK / dV,
+    # twice the bytes of sK / sV) keeps the register stores. On: +2% geomean over 14 shapes, +3-5% at s <= 2k (H200,
     # bench/exp_bwd.py --also-short default tma_epi). The persistent kernel keeps the register
     # stores unless asked (backward._compile_main): that pairing never ran on a GPU.
     tma_epilogue: bool = True

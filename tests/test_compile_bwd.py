@@ -272,10 +272,12 @@ def test_bwd_pre_two_passes_at_d128(tmp_path, monkeypatch):
 
 
 # cfg.tma_epilogue: dK / dV staged in sK / sV, then TMA stores (varlen: a sequence's full key
-# blocks, 16-byte row stores for its last; persistent varlen: row stores only). Columns: dtype, d, causal, gqa, deterministic, varlen, persistent; d=256 is the wide
-# kernel (64-key tiles).
+# blocks, 16-byte row stores for its last; persistent varlen: row stores only). Columns:
+# dtype, d, causal, gqa, deterministic, varlen, persistent; d=256 is the wide kernel (64-key
+# tiles).
 TMA_EPI_VARIANTS = [
     ("BFloat16", 128, True, False, False, False, False),
+    ("BFloat16", 128, True, False, False, True, False),
     ("Float16", 64, False, False, True, False, False),
     ("BFloat16", 96, True, False, False, False, True),
     ("BFloat16", 128, False, False, False, True, True),

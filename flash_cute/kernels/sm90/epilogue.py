@@ -145,8 +145,8 @@ def store_staged_tma(s_tiles, g_tiles, num_threads: cutlass.Constexpr[int],
         cute.arch.cp_async_bulk_commit_group()
         cute.arch.cp_async_bulk_wait_group(0, read=True)  # also before the CTA exits
         if const_expr(release is not None):
-            # The DSL elected one lane to issue and wait; the release (lane 0's arrive)
-            # must follow that wait.
+            # Every lane issues and waits (ptxas makes one UTMASTG per warp); the release
+            # (lane 0's arrive) must follow every lane's wait.
             cute.arch.sync_warp()
             release()
     else:
