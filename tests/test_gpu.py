@@ -922,9 +922,10 @@ def test_varlen_grads_full_key_blocks(d, causal):
     """Without GQA dK / dV leave in the input dtype through sK / sV: a sequence's full key
     blocks by TMA store (BwdSm90Config.varlen_tma_store), its partial last block by row
     stores. Lengths at and around the 64- and 128-key blocks; NaN past seqused, where a
-    sequence's used rows end inside a block the TMA would otherwise have stored whole."""
+    sequence's used keys end inside a block a TMA box would have stored whole (192 of 256)
+    or on a block edge inside a longer sequence (128 of 200)."""
     lens_q, lens_k = [128, 64, 300, 1, 256, 200], [128, 64, 257, 129, 256, 200]
-    used_q, used_k = [128, 64, 300, 1, 200, 200], [128, 64, 257, 129, 256, 192]
+    used_q, used_k = [128, 64, 300, 1, 200, 200], [128, 64, 257, 129, 192, 128]
     check_varlen_grads(lens_q, lens_k, 2, 2, d, causal=causal, nan_unused=True,
                        seqused_q=torch.tensor(used_q, dtype=torch.int32, device=DEVICE),
                        seqused_k=torch.tensor(used_k, dtype=torch.int32, device=DEVICE))
