@@ -316,7 +316,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                  pdl=False, dq_swizzle=None):
+                  pdl=False, dq_swizzle=None, dq_panels=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -337,7 +337,7 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
         varlen_args = NO_VARLEN_Q
     if tile_m is None:
         tile_m = BwdSm90Config.for_head_dim(d).tile_m
-    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle),
+    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle, dq_panels),
                           (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
@@ -472,11 +472,11 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                                       persistent=persistent, **overrides))
     post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, None),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
-    sw = cfg.dq_swizzle
-    post_dq = post if not varlen and sw is None else _get(
-        ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw),
+    sw, panels = cfg.dq_swizzle, cfg.dq_panels
+    post_dq = post if not varlen and sw is None and not panels else _get(
+        ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw) + (("panels",) if panels else ()),
         lambda: _compile_post(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
-                              dq_swizzle=sw))
+                              dq_swizzle=sw, dq_panels=panels))
     return pre, main, post_dq, post
 
 

@@ -132,6 +132,28 @@ def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tm
     assert ops.get("STS.64", 0) == 0 and ops.get("STS", 0) > 0  # the transposed dQ^T stores
 
 
+@pytest.mark.parametrize("causal,gqa,deterministic", [(False, False, False), (True, True, True)],
+                         ids=str)
+def test_bwd_talt_dqt_panels_compiles(causal, gqa, deterministic, tmp_path, monkeypatch):
+    """cfg.dqt_panels (not yet GPU-checked): the talt dQ^T tile in d-major panels leaves by
+    half as many 8-byte stores as the scalar ones before, spill-free; bwd_post's panel read
+    compiles, batched and varlen."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    args = (ARCH, "BFloat16", 128, causal, gqa, deterministic)
+    base = sass_opcodes(backward.bwd_cubin(*args, **backward.BATCHED_TALT), tmp_path)
+    ops = sass_opcodes(backward.bwd_cubin(*args, **backward.BATCHED_TALT, dqt_panels=True),
+                       tmp_path)
+    check_main_sass(ops)
+    assert ops["HGMMA"] == base["HGMMA"]
+    assert ops.get("STS.64", 0) * 2 == base["STS"] and ops["STS"] == ops["STS.64"], ops
+    cfg = backward.bwd_config(128, {**backward.BATCHED_TALT, "dqt_panels": True})
+    assert cfg.dq_panels and cfg.dq_swizzle is None
+    for varlen in (False, True):
+        backward._compile_post(ARCH, "BFloat16", 128, varlen=varlen, tile_m=80, dq_panels=True)
+    assert not backward.bwd_config(128, {"dqt_panels": True}).dq_panels  # 64-row tile
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_varlen_early_lse_d_compiles(causal, tmp_path, monkeypatch):
     """Early LSE / D reads in the varlen d=128 kernel: off by default (backward._compile_main),

@@ -27,6 +27,12 @@ dq_swizzle): the main kernel wrote each dQaccum row's 8-float groups permuted (g
 r at g ^ ((r >> s) & 3), r counted from a tile start, all multiples of 8), so a thread reads
 its vector from the permuted group.
 
+dQ of the 80-row tile with BwdSm90Config.dqt_panels (``dq_panels``): each tile_m-row block of
+dQaccum is d-major in 16-query panels, swizzled (kernels/sm90/bwd_dq.py DQT_PANEL): element
+(q, c) of a block at o = q % 16 + 16 c + 16 d (q // 16), then o ^ ((o & 0x60) >> 2). A thread
+reads its 8 elements one by one (64 bytes apart); the batched grid walks 8 consecutive rows of
+one head per 128 threads (varlen's CTA does already), so those rows share every 32-byte sector.
+
 PDL (``pdl=True``, kernels/sm90/pdl.py): launched as a programmatic dependent of the kernel
 before it (the main kernel, or this one for the GQA sums), so every thread waits for that
 kernel's completion before reading the accumulators.
@@ -41,17 +47,26 @@ from cutlass import Float32, const_expr
 from ..common import scheduler
 from ..common.seqlen import SeqlenInfo
 from . import pdl
+from .bwd_dq import DQT_PANEL, DQT_PANEL_SWIZZLE
 
 THREADS = 128
 VEC = 8  # elements per thread: 16 bytes of 2-byte output, two 16-byte fp32 loads per head
+# dq_panels: the main kernel's panel height and swizzle (B, M, S): offset bits [M+S, M+S+B)
+# XOR into [M, M+B).
+PANEL = DQT_PANEL
+PANEL_SWIZZLE_BITS = ((1 << DQT_PANEL_SWIZZLE[0]) - 1) << sum(DQT_PANEL_SWIZZLE[1:])
+PANEL_SWIZZLE_SHIFT = DQT_PANEL_SWIZZLE[2]
+PANEL_ROWS = 8  # batched dq_panels: rows walked together per head, a 32-byte sector's queries
 
 
 class FlashBwdPostSm90:
     def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
-                 pdl: bool = False, dq_swizzle: Optional[int] = None):
+                 pdl: bool = False, dq_swizzle: Optional[int] = None,
+                 dq_panels: bool = False):
         """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
         launched as the programmatic dependent of the kernel before it. ``dq_swizzle``: None, or
-        the row shift of the accumulator's permuted column groups (module docstring)."""
+        the row shift of the accumulator's permuted column groups; ``dq_panels``: its blocks in
+        d-major panels (module docstring)."""
         if head_dim % VEC != 0:
             raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
         self.dtype = dtype
@@ -60,6 +75,7 @@ class FlashBwdPostSm90:
         self.tile_m = tile_m
         self.pdl = pdl
         self.dq_swizzle = dq_swizzle
+        self.dq_panels = dq_panels
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
@@ -73,7 +89,10 @@ class FlashBwdPostSm90:
             grid = [scheduler.varlen_num_tiles(mOut.shape[0], mCuSeqlensQ.shape[0] - 1,
                                                self.tile_m, mOut.shape[1]), 1, 1]
         else:
-            total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
+            rows = mOut.shape[1]
+            if const_expr(self.dq_panels):  # rows walked in groups of PANEL_ROWS per head
+                rows = cute.ceil_div(rows, PANEL_ROWS) * PANEL_ROWS
+            total = mOut.shape[0] * rows * mOut.shape[2] * vecs_per_row
             grid = [cute.ceil_div(total, THREADS), 1, 1]
         self.kernel(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
@@ -111,9 +130,12 @@ class FlashBwdPostSm90:
                     acc = cute.make_rmem_tensor((VEC,), Float32)
                     acc.fill(0.0)
                     if pos < seq.seqlen_q:  # past seqused_q: 0
-                        gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
-                                               (VEC,), (self.src_col(col, pos),))
-                        cute.autovec_copy(gAcc, acc)
+                        if const_expr(self.dq_panels):
+                            self.read_panel(acc, mAcc, (None, head), seq.offset_q_pad, pos, col)
+                        else:
+                            gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
+                                                   (VEC,), (self.src_col(col, pos),))
+                            cute.autovec_copy(gAcc, acc)
                     out = cute.make_rmem_tensor((VEC,), self.dtype)
                     out.store((acc.load() * scale).to(self.dtype))
                     cute.autovec_copy(out, cute.local_tile(mOut[seq.offset_q + pos, head, None],
@@ -129,22 +151,51 @@ class FlashBwdPostSm90:
         v = bidx * THREADS + tidx
         col = v % vecs_per_row
         row = v // vecs_per_row
-        head = row % heads_out
-        row = row // heads_out
-        pos = row % seqlen
-        b = row // seqlen
-        if b < batch:
+        if const_expr(self.dq_panels):  # PANEL_ROWS consecutive rows, then the heads
+            groups = cute.ceil_div(seqlen, PANEL_ROWS)
+            pos_lo = row % PANEL_ROWS
+            row = row // PANEL_ROWS
+            head = row % heads_out
+            row = row // heads_out
+            pos = row % groups * PANEL_ROWS + pos_lo
+            b = row // groups
+        else:
+            head = row % heads_out
+            row = row // heads_out
+            pos = row % seqlen
+            b = row // seqlen
+        if b < batch and pos < seqlen:
             acc = cute.make_rmem_tensor((VEC,), Float32)
             acc.fill(0.0)
             part = cute.make_rmem_tensor((VEC,), Float32)
             for g in cutlass.range(group, unroll=1):
-                gAcc = cute.local_tile(mAcc[b, pos, head * group + g, None], (VEC,),
-                                       (self.src_col(col, pos),))
-                cute.autovec_copy(gAcc, part)
+                if const_expr(self.dq_panels):
+                    self.read_panel(part, mAcc, (b, head * group + g), 0, pos, col)
+                else:
+                    gAcc = cute.local_tile(mAcc[b, pos, head * group + g, None], (VEC,),
+                                           (self.src_col(col, pos),))
+                    cute.autovec_copy(gAcc, part)
                 acc.store(acc.load() + part.load())
             out = cute.make_rmem_tensor((VEC,), self.dtype)
             out.store((acc.load() * scale).to(self.dtype))
             cute.autovec_copy(out, cute.local_tile(mOut[b, pos, head, None], (VEC,), (col,)))
+
+    @cute.jit
+    def read_panel(self, dst: cute.Tensor, mAcc: cute.Tensor, where, row0, pos, col):
+        """dq_panels: elements 8 col .. 8 col + 7 of row ``pos`` (counted from padded row
+        ``row0``) -> dst. ``where``: (batch, head) of batched mAcc (b, s, h, d), or (None,
+        head) of varlen mAcc (rows, h, d); a (head) plane's rows are d floats apart, so a
+        block's offset o maps to row o // d, column o % d."""
+        tm, d = self.tile_m, self.d
+        q = pos % tm
+        base = (pos - q) * d  # the block's first element in the plane
+        for e in cutlass.range_constexpr(VEC):
+            o = q % PANEL + PANEL * (col * VEC + e) + PANEL * d * (q // PANEL)
+            o = base + (o ^ ((o & PANEL_SWIZZLE_BITS) >> PANEL_SWIZZLE_SHIFT))
+            if const_expr(where[0] is None):
+                dst[e] = mAcc[row0 + o // d, where[1], o % d]
+            else:
+                dst[e] = mAcc[where[0], row0 + o // d, where[1], o % d]
 
     def src_col(self, col, row):
         """The accumulator's vector index holding output vector ``col`` of ``row``."""
