@@ -69,6 +69,9 @@ class FlashBwdPostSm90:
         d-major panels (module docstring)."""
         if head_dim % VEC != 0:
             raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
+        if dq_panels and (dq_swizzle is not None or tile_m % PANEL != 0):
+            raise ValueError(f"dq_panels: whole {PANEL}-row panels and no dq_swizzle, got "
+                             f"tile_m {tile_m}, dq_swizzle {dq_swizzle}")
         self.dtype = dtype
         self.d = head_dim
         self.varlen = varlen
@@ -184,8 +187,9 @@ class FlashBwdPostSm90:
     def read_panel(self, dst: cute.Tensor, mAcc: cute.Tensor, where, row0, pos, col):
         """dq_panels: elements 8 col .. 8 col + 7 of row ``pos`` (counted from padded row
         ``row0``) -> dst. ``where``: (batch, head) of batched mAcc (b, s, h, d), or (None,
-        head) of varlen mAcc (rows, h, d); a (head) plane's rows are d floats apart, so a
-        block's offset o maps to row o // d, column o % d."""
+        head) of varlen mAcc (rows, h, d). A (head) plane's rows must be d floats apart (the
+        transposed tile's dQaccum rows are unpadded, cfg.dq_row_pad), so a block's offset o
+        maps to row o // d, column o % d."""
         tm, d = self.tile_m, self.d
         q = pos % tm
         base = (pos - q) * d  # the block's first element in the plane
