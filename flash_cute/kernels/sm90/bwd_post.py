@@ -51,9 +51,7 @@ from .bwd_dq import DQT_PANEL, DQT_PANEL_SWIZZLE
 
 THREADS = 128
 VEC = 8  # elements per thread: 16 bytes of 2-byte output, two 16-byte fp32 loads per head
-# dq_panels: the main kernel's panel height and swizzle (B, M, S): offset bits [M+S, M+S+B)
-# XOR into [M, M+B).
-PANEL = DQT_PANEL
+# dq_panels: the main kernel's swizzle (B, M, S): offset bits [M+S, M+S+B) XOR into [M, M+B).
 PANEL_SWIZZLE_BITS = ((1 << DQT_PANEL_SWIZZLE[0]) - 1) << sum(DQT_PANEL_SWIZZLE[1:])
 PANEL_SWIZZLE_SHIFT = DQT_PANEL_SWIZZLE[2]
 PANEL_ROWS = 8  # batched dq_panels: rows walked together per head, a 32-byte sector's queries
@@ -69,8 +67,8 @@ class FlashBwdPostSm90:
         d-major panels (module docstring)."""
         if head_dim % VEC != 0:
             raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
-        if dq_panels and (dq_swizzle is not None or tile_m % PANEL != 0):
-            raise ValueError(f"dq_panels: whole {PANEL}-row panels and no dq_swizzle, got "
+        if dq_panels and (dq_swizzle is not None or tile_m % DQT_PANEL != 0):
+            raise ValueError(f"dq_panels: whole {DQT_PANEL}-row panels and no dq_swizzle, got "
                              f"tile_m {tile_m}, dq_swizzle {dq_swizzle}")
         self.dtype = dtype
         self.d = head_dim
@@ -194,7 +192,7 @@ class FlashBwdPostSm90:
         q = pos % tm
         base = (pos - q) * d  # the block's first element in the plane
         for e in cutlass.range_constexpr(VEC):
-            o = q % PANEL + PANEL * (col * VEC + e) + PANEL * d * (q // PANEL)
+            o = q % DQT_PANEL + DQT_PANEL * (col * VEC + e + d * (q // DQT_PANEL))
             o = base + (o ^ ((o & PANEL_SWIZZLE_BITS) >> PANEL_SWIZZLE_SHIFT))
             if const_expr(where[0] is None):
                 dst[e] = mAcc[row0 + o // d, where[1], o % d]
