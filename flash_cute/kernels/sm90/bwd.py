@@ -107,7 +107,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, pdl
-from .bwd_dq import DQT_PANEL, DqTile
+from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
                         LoadOperands, PersistentTiles)
 from .epilogue import store_acc_rows, store_staged
@@ -225,9 +225,8 @@ class FlashBwdSm90(DqTile):
         sdq_cols = self.cfg.sdq_cols
         sdQ_layout = cute.make_layout((tm, sdq_cols),
                                       stride=(sdq_cols + self.cfg.dq_row_pad, 1))
-        if const_expr(self.cfg.dq_panels):  # d-major 16-query panels (bwd_dq.DQT_PANEL)
-            sdQ_layout = cute.make_layout(((DQT_PANEL, tm // DQT_PANEL), sdq_cols),
-                                          stride=((1, DQT_PANEL * sdq_cols), DQT_PANEL))
+        if const_expr(self.cfg.dq_panels):  # d-major 16-query panels
+            sdQ_layout = dqt_panel_layout(tm, sdq_cols)
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(

@@ -32,6 +32,12 @@ DQT_PANEL = 16
 DQT_PANEL_SWIZZLE = (2, 3, 2)
 
 
+def dqt_panel_layout(tile_m: int, cols: int) -> cute.Layout:
+    """cfg.dqt_panels: sdQ's (tile_m, cols) layout before the swizzle (DQT_PANEL_SWIZZLE)."""
+    return cute.make_layout(((DQT_PANEL, tile_m // DQT_PANEL), cols),
+                            stride=((1, DQT_PANEL * cols), DQT_PANEL))
+
+
 class DqTile:
     """The dQ tile's methods, mixed into FlashBwdSm90 (they read its configuration: tile_m, d,
     cfg, varlen, deterministic, persistent, and walk its tiles with each_tile): the mma

@@ -29,9 +29,13 @@ its vector from the permuted group.
 
 dQ of the 80-row tile with BwdSm90Config.dqt_panels (``dq_panels``): each tile_m-row block of
 dQaccum is d-major in 16-query panels, swizzled (kernels/sm90/bwd_dq.py DQT_PANEL): element
-(q, c) of a block at o = q % 16 + 16 c + 16 d (q // 16), then o ^ ((o & 0x60) >> 2). A thread
-reads its 8 elements one by one (64 bytes apart); the batched grid walks 8 consecutive rows of
-one head per 128 threads (varlen's CTA does already), so those rows share every 32-byte sector.
+(q, c) of a block at o = q % 16 + 16 c + 16 d (q // 16), then o ^ ((o & 0x60) >> 2). The
+swizzle leaves offset bits 0-2 alone, so 8 consecutive queries (an octet) of one column are 32
+contiguous bytes. A CTA takes an octet of one head (varlen: every octet of its tile in turn):
+thread (c, j) = (t // 8, t % 8) loads column 8 c + j of the octet's 8 queries (two 16-byte
+loads), the 8 threads of a warp quarter swap them through shared memory (an 8 x 8 transpose),
+and thread (c, j) writes query j's output vector c. d = 128 only (16 vectors x 8 = 128
+threads).
 
 PDL (``pdl=True``, kernels/sm90/pdl.py): launched as a programmatic dependent of the kernel
 before it (the main kernel, or this one for the GQA sums), so every thread waits for that
@@ -42,6 +46,7 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 from cutlass import Float32, const_expr
 
 from ..common import scheduler
@@ -54,7 +59,19 @@ VEC = 8  # elements per thread: 16 bytes of 2-byte output, two 16-byte fp32 load
 # dq_panels: the main kernel's swizzle (B, M, S): offset bits [M+S, M+S+B) XOR into [M, M+B).
 PANEL_SWIZZLE_BITS = ((1 << DQT_PANEL_SWIZZLE[0]) - 1) << sum(DQT_PANEL_SWIZZLE[1:])
 PANEL_SWIZZLE_SHIFT = DQT_PANEL_SWIZZLE[2]
-PANEL_ROWS = 8  # batched dq_panels: rows walked together per head, a 32-byte sector's queries
+OCTET = 1 << DQT_PANEL_SWIZZLE[1]  # queries per contiguous run: the swizzle keeps bits 0-2
+# The transpose's shared tile (vector c, query, column j) in floats: a row stride of 12 (4 x
+# odd) puts a warp quarter's 16-byte row reads on distinct banks, a vector stride of 104
+# (8 mod 32) a warp's scalar writes.
+PANEL_T_LAYOUT = ((THREADS // OCTET, OCTET, OCTET), (104, 12, 1))
+
+
+def panel_octet_offset(q8, col, d: int):
+    """dq_panels: where column ``col`` of queries q8 .. q8 + 7 (q8 a multiple of 8) starts in
+    a block: the logical offset (bits 0-2 zero), swizzled; the 8 floats from there are the 8
+    queries in order. Python ints or DSL integers (tests model the kernel with it)."""
+    o = q8 % DQT_PANEL + DQT_PANEL * (col + d * (q8 // DQT_PANEL))
+    return o ^ ((o & PANEL_SWIZZLE_BITS) >> PANEL_SWIZZLE_SHIFT)
 
 
 class FlashBwdPostSm90:
@@ -67,9 +84,11 @@ class FlashBwdPostSm90:
         d-major panels (module docstring)."""
         if head_dim % VEC != 0:
             raise ValueError(f"head_dim {head_dim} must be a multiple of {VEC}")
-        if dq_panels and (dq_swizzle is not None or tile_m % DQT_PANEL != 0):
-            raise ValueError(f"dq_panels: whole {DQT_PANEL}-row panels and no dq_swizzle, got "
-                             f"tile_m {tile_m}, dq_swizzle {dq_swizzle}")
+        if dq_panels and (dq_swizzle is not None or tile_m % DQT_PANEL != 0
+                          or head_dim != THREADS):
+            raise ValueError(f"dq_panels: whole {DQT_PANEL}-row panels, no dq_swizzle and head "
+                             f"dim {THREADS}, got tile_m {tile_m}, dq_swizzle {dq_swizzle}, "
+                             f"head_dim {head_dim}")
         self.dtype = dtype
         self.d = head_dim
         self.varlen = varlen
@@ -90,10 +109,10 @@ class FlashBwdPostSm90:
             grid = [scheduler.varlen_num_tiles(mOut.shape[0], mCuSeqlensQ.shape[0] - 1,
                                                self.tile_m, mOut.shape[1]), 1, 1]
         else:
-            rows = mOut.shape[1]
-            if const_expr(self.dq_panels):  # rows walked in groups of PANEL_ROWS per head
-                rows = cute.ceil_div(rows, PANEL_ROWS) * PANEL_ROWS
-            total = mOut.shape[0] * rows * mOut.shape[2] * vecs_per_row
+            total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
+            if const_expr(self.dq_panels):  # a CTA per query octet and head
+                total = mOut.shape[0] * cute.ceil_div(mOut.shape[1], OCTET) * mOut.shape[2] \
+                    * THREADS
             grid = [cute.ceil_div(total, THREADS), 1, 1]
         self.kernel(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
@@ -103,7 +122,9 @@ class FlashBwdPostSm90:
                mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor]):
         pdl.wait_prior(self.pdl)  # the accumulators are the previous kernel's output
         pdl.launch_dependents(self.pdl)  # a following GQA sum may start its prologue
-        if const_expr(self.varlen):
+        if const_expr(self.dq_panels):
+            self.kernel_panels(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ)
+        elif const_expr(self.varlen):
             self.kernel_varlen(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ)
         else:
             self.kernel_batched(mAcc, mOut, scale)
@@ -131,12 +152,9 @@ class FlashBwdPostSm90:
                     acc = cute.make_rmem_tensor((VEC,), Float32)
                     acc.fill(0.0)
                     if pos < seq.seqlen_q:  # past seqused_q: 0
-                        if const_expr(self.dq_panels):
-                            self.read_panel(acc, mAcc, (None, head), seq.offset_q_pad, pos, col)
-                        else:
-                            gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
-                                                   (VEC,), (self.src_col(col, pos),))
-                            cute.autovec_copy(gAcc, acc)
+                        gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
+                                               (VEC,), (self.src_col(col, pos),))
+                        cute.autovec_copy(gAcc, acc)
                     out = cute.make_rmem_tensor((VEC,), self.dtype)
                     out.store((acc.load() * scale).to(self.dtype))
                     cute.autovec_copy(out, cute.local_tile(mOut[seq.offset_q + pos, head, None],
@@ -152,52 +170,83 @@ class FlashBwdPostSm90:
         v = bidx * THREADS + tidx
         col = v % vecs_per_row
         row = v // vecs_per_row
-        if const_expr(self.dq_panels):  # PANEL_ROWS consecutive rows, then the heads
-            groups = cute.ceil_div(seqlen, PANEL_ROWS)
-            pos_lo = row % PANEL_ROWS
-            row = row // PANEL_ROWS
-            head = row % heads_out
-            row = row // heads_out
-            pos = row % groups * PANEL_ROWS + pos_lo
-            b = row // groups
-        else:
-            head = row % heads_out
-            row = row // heads_out
-            pos = row % seqlen
-            b = row // seqlen
-        if b < batch and pos < seqlen:
+        head = row % heads_out
+        row = row // heads_out
+        pos = row % seqlen
+        b = row // seqlen
+        if b < batch:
             acc = cute.make_rmem_tensor((VEC,), Float32)
             acc.fill(0.0)
             part = cute.make_rmem_tensor((VEC,), Float32)
             for g in cutlass.range(group, unroll=1):
-                if const_expr(self.dq_panels):
-                    self.read_panel(part, mAcc, (b, head * group + g), 0, pos, col)
-                else:
-                    gAcc = cute.local_tile(mAcc[b, pos, head * group + g, None], (VEC,),
-                                           (self.src_col(col, pos),))
-                    cute.autovec_copy(gAcc, part)
+                gAcc = cute.local_tile(mAcc[b, pos, head * group + g, None], (VEC,),
+                                       (self.src_col(col, pos),))
+                cute.autovec_copy(gAcc, part)
                 acc.store(acc.load() + part.load())
             out = cute.make_rmem_tensor((VEC,), self.dtype)
             out.store((acc.load() * scale).to(self.dtype))
             cute.autovec_copy(out, cute.local_tile(mOut[b, pos, head, None], (VEC,), (col,)))
 
     @cute.jit
-    def read_panel(self, dst: cute.Tensor, mAcc: cute.Tensor, where, row0, pos, col):
-        """dq_panels: elements 8 col .. 8 col + 7 of row ``pos`` (counted from padded row
-        ``row0``) -> dst. ``where``: (batch, head) of batched mAcc (b, s, h, d), or (None,
-        head) of varlen mAcc (rows, h, d). A (head) plane's rows must be d floats apart (the
-        transposed tile's dQaccum rows are unpadded, cfg.dq_row_pad), so a block's offset o
-        maps to row o // d, column o % d."""
+    def kernel_panels(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
+                      mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor]):
+        """dq_panels (module docstring). Batched: a CTA per (batch, head, query octet); varlen:
+        a CTA per tile of one (sequence, head), its octets in turn."""
+        tidx = cute.arch.thread_idx()[0]
+        bidx = cute.arch.block_idx()[0]
+        sT = cutlass.memory.SmemAllocator().allocate_tensor(
+            Float32, cute.make_layout(PANEL_T_LAYOUT[0], stride=PANEL_T_LAYOUT[1]),
+            byte_alignment=16)
+        if const_expr(self.varlen):
+            heads = mOut.shape[1]
+            block, head, batch = scheduler.varlen_tile_coords(
+                bidx, mCuSeqlensQ, cute.domain_offset((1,), mCuSeqlensQ), self.tile_m, heads,
+                heads, False)
+            if batch < mCuSeqlensQ.shape[0] - 1:
+                seq = SeqlenInfo.create(batch, None, None, mCuSeqlensQ, None, mSeqUsedQ, None,
+                                        pad_tile_m=self.tile_m)
+                rows = mCuSeqlensQ[batch + 1] - seq.offset_q
+                for k in cutlass.range_constexpr(self.tile_m // OCTET):
+                    pos8 = block * self.tile_m + k * OCTET
+                    if pos8 < rows:
+                        self.transpose_octet(
+                            cute.domain_offset((seq.offset_q_pad, 0), mAcc[None, head, None]),
+                            cute.domain_offset((seq.offset_q, 0), mOut[None, head, None]),
+                            pos8, rows, seq.seqlen_q, sT, tidx, scale)
+        else:
+            batch, seqlen, heads = mOut.shape[0], mOut.shape[1], mOut.shape[2]
+            octets = cute.ceil_div(seqlen, OCTET)
+            head = bidx // octets % heads
+            b = bidx // octets // heads
+            if b < batch:
+                self.transpose_octet(mAcc[b, None, head, None], mOut[b, None, head, None],
+                                     bidx % octets * OCTET, seqlen, seqlen, sT, tidx, scale)
+
+    @cute.jit
+    def transpose_octet(self, mAcc: cute.Tensor, mOut: cute.Tensor, pos8, rows, used,
+                        sT: cute.Tensor, tidx, scale: Float32):
+        """Rows pos8 .. pos8 + 7 of one head's dQ: mAcc (padded rows, d) in panel order ->
+        mOut (rows, d), rows at or past ``rows`` not written, those at or past ``used`` 0."""
         tm, d = self.tile_m, self.d
-        q = pos % tm
-        base = (pos - q) * d  # the block's first element in the plane
-        for e in cutlass.range_constexpr(VEC):
-            o = q % DQT_PANEL + DQT_PANEL * (col * VEC + e + d * (q // DQT_PANEL))
-            o = base + (o ^ ((o & PANEL_SWIZZLE_BITS) >> PANEL_SWIZZLE_SHIFT))
-            if const_expr(where[0] is None):
-                dst[e] = mAcc[row0 + o // d, where[1], o % d]
-            else:
-                dst[e] = mAcc[where[0], row0 + o // d, where[1], o % d]
+        c, j = tidx // OCTET, tidx % OCTET
+        q8 = pos8 % tm
+        o = (pos8 - q8) * d + panel_octet_offset(q8, c * OCTET + j, d)
+        vals = cute.make_rmem_tensor((OCTET,), Float32)
+        cute.autovec_copy(cute.local_tile(mAcc[o // d, None], (OCTET,), (o % d // OCTET,)),
+                          vals)
+        for e in cutlass.range_constexpr(OCTET):
+            sT[c, e, j] = vals[e]
+        cute.arch.sync_warp()  # vector c's 8 threads are one warp quarter
+        acc = cute.make_rmem_tensor((VEC,), Float32)
+        cute.autovec_copy(sT[c, j, None], acc)
+        cute.arch.sync_warp()  # read before the next octet's writes (varlen)
+        pos = pos8 + j
+        if pos < rows:
+            if pos >= used:  # past seqused_q
+                acc.fill(0.0)
+            out = cute.make_rmem_tensor((VEC,), self.dtype)
+            out.store((acc.load() * scale).to(self.dtype))
+            cute.autovec_copy(out, cute.local_tile(mOut[pos, None], (VEC,), (c,)))
 
     def src_col(self, col, row):
         """The accumulator's vector index holding output vector ``col`` of ``row``."""
