@@ -83,6 +83,10 @@ VARIANTS = {
     "talt_lse": {"tile_m": 80, "dq_split": "talt"},
     "talt": {"tile_m": 80, "dq_split": "talt", "early_lse_d": False},
     "talt_det": {"tile_m": 80, "dq_split": "talt", "deterministic": True},
+    # BwdSm90Config.dqt_panels: the talt dQ^T tile in d-major 16-query panels (STS.64 stores).
+    "talt_panels": {"tile_m": 80, "dq_split": "talt", "dqt_panels": True},
+    "talt_panels_det": {"tile_m": 80, "dq_split": "talt", "dqt_panels": True,
+                        "deterministic": True},
     # docs/sass_bwd_vs_fa4.md: uniform dQ descriptors (d=128, tm80, tm128; a no-op for "alt"),
     # LSE / D read into registers before the wgmma waits (tile_m 64), and both.
     "udq": {"uniform_dq_desc": True},

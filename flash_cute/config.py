@@ -491,6 +491,17 @@ class BwdSm90Config:
     # d=64 / d=128 within +-1.5%). Batched only: the varlen step read 0.5-0.8% slower with it
     # in two runs (backward._compile_main).
     ds_before_dv: bool = False
+    # dq_split "t" / "talt" (tile_m 80): sdQ, and so each dQaccum block (the bulk reduce copies
+    # it byte for byte), d-major in 16-query panels, so the accumulator's query pairs are
+    # adjacent and the dQ^T tile leaves by 8-byte stores (40 STS.64 per turn, was 80 scalar
+    # STS); bwd_post reads the blocks in that order. No effect on the other tiles (so one
+    # FLASH_CUTE_BWD_CONFIG can cover a run). Not yet GPU-checked or timed.
+    dqt_panels: bool = False
+
+    @property
+    def dq_panels(self) -> bool:
+        """dQaccum blocks d-major in 16-query panels (cfg.dqt_panels on the transposed tile)."""
+        return self.dqt_panels and self.dq_transposed
 
     @property
     def dq_row(self) -> int:
@@ -510,6 +521,8 @@ class BwdSm90Config:
         """dQaccum's (and sdQ's) 8-float column groups permuted per row: group g of row r sits
         at g ^ ((r >> shift) & 3); returns the shift (transposed dQ: 1, kernels/sm90/bwd.py
         DQT_SWIZZLE; swizzle_dq: 0), None when the groups are in order."""
+        if self.dq_panels:
+            return None  # their own order (dq_panels)
         return 1 if self.dq_transposed else (0 if self.swizzle_dq else None)
 
     @property

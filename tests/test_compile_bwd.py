@@ -132,6 +132,82 @@ def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tm
     assert ops.get("STS.64", 0) == 0 and ops.get("STS", 0) > 0  # the transposed dQ^T stores
 
 
+@pytest.mark.parametrize("causal,gqa,deterministic", [(False, False, False), (True, True, True)],
+                         ids=str)
+def test_bwd_talt_dqt_panels_compiles(causal, gqa, deterministic, tmp_path, monkeypatch):
+    """cfg.dqt_panels (not yet GPU-checked): the talt dQ^T tile in d-major panels leaves by
+    half as many 8-byte stores as the scalar ones before, spill-free; bwd_post's panel read
+    compiles, batched and varlen."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    args = (ARCH, "BFloat16", 128, causal, gqa, deterministic)
+    base = sass_opcodes(backward.bwd_cubin(*args, **backward.BATCHED_TALT), tmp_path)
+    ops = sass_opcodes(backward.bwd_cubin(*args, **backward.BATCHED_TALT, dqt_panels=True),
+                       tmp_path)
+    check_main_sass(ops)
+    assert ops["HGMMA"] == base["HGMMA"]
+    assert ops.get("STS.64", 0) * 2 == base["STS"] and ops["STS"] == ops["STS.64"], ops
+    cfg = backward.bwd_config(128, {**backward.BATCHED_TALT, "dqt_panels": True})
+    assert cfg.dq_panels and cfg.dq_swizzle is None
+    for varlen in (False, True):
+        backward._compile_post(ARCH, "BFloat16", 128, varlen=varlen, tile_m=80, dq_panels=True)
+    assert not backward.bwd_config(128, {"dqt_panels": True}).dq_panels  # 64-row tile
+
+
+@pytest.mark.filterwarnings("ignore:This static loop")
+def test_bwd_post_panel_read_model():
+    """dqt_panels: bwd_post's panel read (transpose_octet), modelled with the kernel's own
+    offset function and transpose layout, returns every (query, column) of an 80-row block
+    from where the main kernel's sdQ layout (CuTe's, evaluated here) put it, and its shared
+    transpose is free of bank conflicts (scalar writes: 32 banks per warp; 16-byte reads: 8
+    distinct 16-byte slots per quarter-warp phase)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from flash_cute.kernels.sm90 import bwd_post
+    from flash_cute.kernels.sm90.bwd_dq import DQT_PANEL_SWIZZLE, dqt_panel_layout
+
+    tm, d, octet, vec, threads = 80, 128, bwd_post.OCTET, bwd_post.VEC, bwd_post.THREADS
+    where = {}
+
+    @cute.jit
+    def probe():
+        layout = cute.make_composed_layout(cute.make_swizzle(*DQT_PANEL_SWIZZLE), 0,
+                                           dqt_panel_layout(tm, d))
+        for q in cutlass.range_constexpr(tm):
+            for col in cutlass.range_constexpr(d):
+                where[q, col] = layout((q, col))
+
+    probe()
+    flat = {o: qc for qc, o in where.items()}
+    assert sorted(flat) == list(range(tm * d))  # a bijection onto the block
+    strides = bwd_post.PANEL_T_LAYOUT[1]
+
+    def t_off(c, q, j):
+        return c * strides[0] + q * strides[1] + j * strides[2]
+
+    for q8 in range(0, tm, octet):
+        sT = {}
+        for t in range(threads):
+            c, j = divmod(t, octet)
+            o = bwd_post.panel_octet_offset(q8, c * octet + j, d)
+            assert o % octet == 0
+            for e in range(octet):
+                sT[t_off(c, e, j)] = flat[o + e]
+        for t in range(threads):
+            c, j = divmod(t, octet)
+            assert [sT[t_off(c, j, e)] for e in range(vec)] == \
+                [(q8 + j, c * vec + e) for e in range(vec)]
+    for w in range(0, threads, 32):
+        lanes = [divmod(t, octet) for t in range(w, w + 32)]
+        for e in range(octet):
+            assert len({t_off(c, e, j) % 32 for c, j in lanes}) == 32
+        for phase in range(0, 32, 8):
+            for half in (0, 4):
+                slots = {(t_off(c, j, half) % 32) // 4 for c, j in lanes[phase:phase + 8]}
+                assert len(slots) == 8 and all(t_off(c, j, 0) % 4 == 0 for c, j in lanes)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_varlen_early_lse_d_compiles(causal, tmp_path, monkeypatch):
     """Early LSE / D reads in the varlen d=128 kernel: off by default (backward._compile_main),

@@ -909,6 +909,42 @@ def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, sequ
     check_grads_close(got, [ref[i] for i in range(3)], [low[i] for i in range(3)])
 
 
+@pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
+@pytest.mark.parametrize("causal,hk,varlen,used", [(False, 4, False, False),
+                                                  (True, 2, False, False),
+                                                  (True, 4, True, False), (False, 2, True, True)])
+def test_talt_dqt_panels_bitwise(causal, hk, varlen, used, monkeypatch):
+    """BwdSm90Config.dqt_panels moves the 80-row tile's dQ^T through sdQ / dQaccum in
+    d-major panels (bwd_post reads them back): the same sums in the same order, so the
+    deterministic gradients are bitwise those of the talt tile without it (varlen also with
+    seqused_q below the lengths: rows past it come out 0 through the panel read)."""
+    talt = "tile_m=80,dq_split=talt"
+    lens = [1100, 0, 1, 333, 65]
+    kw = {}
+    if used:
+        kw = {n: torch.tensor(u, dtype=torch.int32, device=DEVICE) for n, u in
+              (("seqused_q", [1000, 0, 1, 170, 64]), ("seqused_k", [65, 333, 1, 0, 900]))}
+    if varlen:
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens, lens[::-1], 4, hk, 128,
+                                                           seed=9)
+    else:
+        q, k, v = qkv_inputs(2, 1100, 1250, 4, hk, 128, seed=9)
+    dout = rand(*q.shape, seed=10)
+
+    def grads(spec):
+        monkeypatch.setenv(backward.CONFIG_ENV, spec)
+        if varlen:
+            return varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, causal=causal,
+                                deterministic=True, **kw)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        _poison_allocator()
+        out = flash_attn_func(*leaves, causal=causal, deterministic=True)
+        return torch.autograd.grad(out, leaves, dout)
+
+    for name, a, b in zip(("dq", "dk", "dv"), grads(talt), grads(talt + ",dqt_panels=1")):
+        assert torch.equal(a, b), f"dqt_panels: {name} differs from the talt tile's"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_varlen_grads(d, causal):

@@ -107,7 +107,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, pdl
-from .bwd_dq import DqTile
+from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
                         LoadOperands, PersistentTiles)
 from .epilogue import store_acc_rows, store_staged
@@ -233,6 +233,8 @@ class FlashBwdSm90(DqTile):
         sdq_cols = self.cfg.sdq_cols
         sdQ_layout = cute.make_layout((tm, sdq_cols),
                                       stride=(sdq_cols + self.cfg.dq_row_pad, 1))
+        if const_expr(self.cfg.dq_panels):  # d-major 16-query panels
+            sdQ_layout = dqt_panel_layout(tm, sdq_cols)
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
@@ -389,7 +391,7 @@ class FlashBwdSm90(DqTile):
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sLSE_layout)
         sD = storage.sD.get_tensor(sLSE_layout)
-        if const_expr(self.cfg.dq_swizzle is not None):
+        if const_expr(self.cfg.dq_swizzle is not None or self.cfg.dq_panels):
             sdQ_layout = cute.make_composed_layout(cute.make_swizzle(*self.sdq_swizzle()), 0,
                                                    sdQ_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
