@@ -110,7 +110,7 @@ from . import bwd_cols, pdl
 from .bwd_dq import DqTile
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
                         LoadOperands, PersistentTiles)
-from .epilogue import store_acc_rows, store_staged
+from .epilogue import store_acc_rows, store_own_rows, store_staged
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
@@ -182,6 +182,12 @@ class FlashBwdSm90(DqTile):
         outputs (twice sK / sV's bytes) keep the register stores."""
         return self.cfg.tma_epilogue and self.dkv_dtype == self.dtype
 
+    @property
+    def early_dv(self) -> bool:
+        """cfg.early_dv where it applies: the staged epilogue of the narrow kernel (the wide
+        kernel's warpgroups both read every row of sV)."""
+        return self.cfg.early_dv and self.staged_dkv and not self.cfg.wide
+
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -242,8 +248,9 @@ class FlashBwdSm90(DqTile):
         if const_expr(self.staged_dkv and not self.varlen):
             tma_dk, mdK = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
-            tma_dv, mdV = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
+            if const_expr(not self.early_dv):  # else dV leaves by row stores
+                tma_dv, mdV = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
         q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
         self.q_stage_bytes = q_bytes + tm * 4        # Q (or dO) tile + LSE (or D) row
         self.v_bytes = cute.size_in_bytes(dt, sV_layout)
@@ -713,6 +720,13 @@ class FlashBwdSm90(DqTile):
         kv.advance()
         if const_expr(self.remat_tid):
             tidx = opaque_thread_idx() - WG_THREADS
+        if const_expr(self.early_dv):
+            # This warpgroup's last dP^T, the only reader of its rows of sV, has completed.
+            gdV = cute.local_tile(seq.k_rows(dkv.mdV, tile.head, tile.batch), (tn, self.d),
+                                  (n_block, 0))
+            store_own_rows(mma_dkv, tdVrdV, sV, gdV, tidx, wg, KEYS_PER_WG, WG_THREADS,
+                           Int32(int(Barrier.DV_STAGED)) + wg,
+                           seqlen_k - n_block * tn - wg * KEYS_PER_WG)
         self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
                       tile_kv)
         self.stamp(trace, tidx, {"epilogue_done": None})
@@ -921,10 +935,13 @@ class FlashBwdSm90(DqTile):
             # sK / sV are free once no wgmma reads them: each warpgroup waited for its last
             # (dQ reads all of sK) in its last m_step, and KV_FREE gathers both. Persistent:
             # the next tile's K / V load waits for this release.
-            store_staged(mma_dkv, (tdKrdK, tdVrdV), (sK, sV), (gdK, gdV), tidx,
+            tiles = ((tdKrdK, tdVrdV), (sK, sV), (gdK, gdV), (dkv.tma_dk, dkv.tma_dv))
+            if const_expr(self.early_dv):  # dV has left already (mma_tile)
+                tiles = tuple(t[:1] for t in tiles)
+            store_staged(mma_dkv, tiles[0], tiles[1], tiles[2], tidx,
                          NUM_MMA_WG * WG_THREADS, int(Barrier.KV_FREE),
                          int(Barrier.DKV_STAGED), STORE_WARP,
-                         None if const_expr(self.varlen) else (dkv.tma_dk, dkv.tma_dv),
+                         None if const_expr(self.varlen) else tiles[3],
                          seq.seqlen_k - n_block * tn,
                          partial(pipe_kv.consumer_release, kv) if const_expr(self.persistent)
                          else None)
