@@ -497,6 +497,14 @@ class BwdSm90Config:
     # STS); bwd_post reads the blocks in that order. No effect on the other tiles (so one
     # FLASH_CUTE_BWD_CONFIG can cover a run). Not yet GPU-checked or timed.
     dqt_panels: bool = False
+    # Each mma warpgroup stores its dV rows (its 64 keys) right after its own last query block:
+    # to its rows of sV (its own dP^T, the only reader of them, has completed), then 16-byte row
+    # stores, instead of beside dK after both warpgroups' last dQ wgmma (KV_FREE). The one that
+    # finishes first (the other has the last dQ turn: 830-1110 cycles, bench/bwd_timeline.py)
+    # hides its dV there, and the shared epilogue stages and stores dK alone (32 of 64 KB at
+    # d=128). Narrow kernel with the staged epilogue (no effect elsewhere: the wide kernel's
+    # warpgroups share sV's rows). Not yet GPU-checked or timed.
+    early_dv: bool = False
 
     @property
     def dq_panels(self) -> bool:

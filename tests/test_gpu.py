@@ -490,7 +490,7 @@ def test_grads_deterministic(d, causal, hk):
 
 @pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
 @pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0", "p16_view=0",
-                                  "swizzle_dq=0"])
+                                  "swizzle_dq=0", "early_dv=1"])
 @pytest.mark.parametrize("d,causal,hk,varlen", [(64, False, 4, False), (128, True, 2, False),
                                                 (128, False, 4, False), (96, False, 1, True),
                                                 (128, True, 4, True), (256, True, 2, False)])
@@ -498,7 +498,8 @@ def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
     """Backward configs that move loads or index math and no arithmetic (BwdSm90Config
     .lean_prologue off, the order before session 16; v_with_do off, before session 14;
     p16_view off, before session 17: the same products from registers read differently;
-    swizzle_dq off, padded dQ rows, which short batched calls gave up in session 25):
+    swizzle_dq off, padded dQ rows, which short batched calls gave up in session 25; early_dv
+    on, dV stored per warpgroup, not yet shipped; with GQA it changes nothing):
     deterministic gradients bitwise equal to the shipped config's, batched (d=128
     non-causal: the 80-row "talt" tile) and varlen. Since ds_before_dv (session 28) the batched
     d=64 tile no longer reads the packed P^T for dS^T, so its p16_view=0 case compares one
@@ -525,6 +526,43 @@ def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
     monkeypatch.setenv(backward.CONFIG_ENV, spec)
     for name, a, b in zip(("dq", "dk", "dv"), shipped, grads()):
         assert torch.equal(a, b), f"{spec}: {name} differs from the shipped config's"
+
+
+@pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
+@pytest.mark.parametrize("d,causal,sq,sk,varlen", [(128, True, 700, 1090, False),
+                                                   (96, False, 333, 900, False),
+                                                   (64, True, 300, 194, False),
+                                                   (128, False, 1100, 1250, False),
+                                                   (128, True, 0, 0, True)])
+def test_early_dv_bitwise(d, causal, sq, sk, varlen, monkeypatch):
+    """BwdSm90Config.early_dv only moves where dV is stored (each warpgroup's rows right after
+    its own last query block): deterministic gradients bitwise equal to the shipped config's,
+    without GQA (whose fp32 dK / dV keep their own epilogue), key lengths ending inside the
+    first or the second warpgroup's half of the last key block (1090: 66 of 128 keys; 900: 4;
+    194: 66; 1250 (the 80-row tile): 98), varlen with seqused_k ending mid-block and empty
+    sequences; poisoned outputs show rows it failed to write."""
+    kw = {}
+    if varlen:
+        lens_q, lens_k = [300, 0, 1, 130, 65], [250, 70, 1, 0, 200]
+        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, 2, 2, d, seed=5)
+        kw = {"seqused_k": torch.tensor([200, 66, 1, 0, 129], dtype=torch.int32,
+                                        device=DEVICE)}
+    else:
+        q, k, v = qkv_inputs(2, sq, sk, 2, 2, d, seed=d + sq)
+    dout = rand(*q.shape, seed=6)
+
+    def grads(spec):
+        monkeypatch.setenv(backward.CONFIG_ENV, spec)
+        if varlen:
+            return varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, causal=causal,
+                                deterministic=True, **kw)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        _poison_allocator()
+        out = flash_attn_func(*leaves, causal=causal, deterministic=True)
+        return torch.autograd.grad(out, leaves, dout)
+
+    for name, a, b in zip(("dq", "dk", "dv"), grads(""), grads("early_dv=1")):
+        assert torch.equal(a, b), f"early_dv: {name} differs from the shipped config's"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -110,7 +110,7 @@ from . import bwd_cols, pdl
 from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
                         LoadOperands, PersistentTiles)
-from .epilogue import store_acc_rows, store_staged
+from .epilogue import store_acc_rows, store_own_rows, store_staged
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
@@ -190,6 +190,12 @@ class FlashBwdSm90(DqTile):
         return self.staged_dkv and not (self.varlen and (self.persistent or
                                                          not self.cfg.varlen_tma_store))
 
+    @property
+    def early_dv(self) -> bool:
+        """cfg.early_dv where it applies: the staged epilogue of the narrow kernel (the wide
+        kernel's warpgroups both read every row of sV)."""
+        return self.cfg.early_dv and self.staged_dkv and not self.cfg.wide
+
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -254,10 +260,13 @@ class FlashBwdSm90(DqTile):
         if const_expr(self.tma_dkv):
             tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
-            tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
-            if const_expr(not self.varlen):
-                mdK, mdV, tma_mdK, tma_mdV = tma_mdK, tma_mdV, None, None
+            if const_expr(not self.early_dv):  # else dV leaves by row stores
+                tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
+            if const_expr(not self.varlen):  # batched: the TMA views replace the tensors
+                mdK, tma_mdK = tma_mdK, None
+                if const_expr(tma_mdV is not None):
+                    mdV, tma_mdV = tma_mdV, None
         q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
         self.q_stage_bytes = q_bytes + tm * 4        # Q (or dO) tile + LSE (or D) row
         self.v_bytes = cute.size_in_bytes(dt, sV_layout)
@@ -737,6 +746,13 @@ class FlashBwdSm90(DqTile):
         kv.advance()
         if const_expr(self.remat_tid):
             tidx = opaque_thread_idx() - WG_THREADS
+        if const_expr(self.early_dv):
+            # This warpgroup's last dP^T, the only reader of its rows of sV, has completed.
+            gdV = cute.local_tile(seq.k_rows(dkv.mdV, tile.head, tile.batch), (tn, self.d),
+                                  (n_block, 0))
+            store_own_rows(mma_dkv, tdVrdV, sV, gdV, tidx, wg, KEYS_PER_WG, WG_THREADS,
+                           Int32(int(Barrier.DV_STAGED)) + wg,
+                           seqlen_k - n_block * tn - wg * KEYS_PER_WG)
         self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
                       tile_kv)
         self.stamp(trace, tidx, {"epilogue_done": None})
@@ -942,17 +958,18 @@ class FlashBwdSm90(DqTile):
         if const_expr(self.staged_dkv):
             gdK, gdV = [cute.local_tile(seq.k_rows(t, tile.head, tile.batch), (tn, d),
                                         (n_block, 0)) for t in (dkv.mdK, dkv.mdV)]
+            n = 1 if const_expr(self.early_dv) else 2  # early_dv: dV has left (mma_tile)
             tma_g = None  # varlen: the TMA views for the sequence's full key blocks
             if const_expr(self.varlen and self.tma_dkv):
                 tma_g = [cute.local_tile(seq.k_rows(t, tile.head, tile.batch), (tn, d),
-                                         (n_block, 0)) for t in (dkv.tma_mdK, dkv.tma_mdV)]
+                                         (n_block, 0)) for t in (dkv.tma_mdK, dkv.tma_mdV)[:n]]
             # sK / sV are free once no wgmma reads them: each warpgroup waited for its last
             # (dQ reads all of sK) in its last m_step, and KV_FREE gathers both. Persistent:
             # the next tile's K / V load waits for this release.
-            store_staged(mma_dkv, (tdKrdK, tdVrdV), (sK, sV), (gdK, gdV), tidx,
+            store_staged(mma_dkv, (tdKrdK, tdVrdV)[:n], (sK, sV)[:n], (gdK, gdV)[:n], tidx,
                          NUM_MMA_WG * WG_THREADS, int(Barrier.KV_FREE),
                          int(Barrier.DKV_STAGED), STORE_WARP,
-                         (dkv.tma_dk, dkv.tma_dv) if const_expr(self.tma_dkv) else None,
+                         (dkv.tma_dk, dkv.tma_dv)[:n] if const_expr(self.tma_dkv) else None,
                          seq.seqlen_k - n_block * tn,
                          partial(pipe_kv.consumer_release, kv) if const_expr(self.persistent)
                          else None, tma_g)

@@ -200,13 +200,12 @@ class FlashBwdPostSm90:
             byte_alignment=16)
         if const_expr(self.varlen):
             heads = mOut.shape[1]
-            block, head, batch = scheduler.varlen_tile_coords(
+            block, head, batch, (offset_q, rows, _, seqlen_q) = scheduler.varlen_tile_coords(
                 bidx, mCuSeqlensQ, cute.domain_offset((1,), mCuSeqlensQ), self.tile_m, heads,
-                heads, False)
+                heads, False, lens=True, mCuOther=mCuSeqlensQ, mUsedOther=mSeqUsedQ)
             if batch < mCuSeqlensQ.shape[0] - 1:
-                seq = SeqlenInfo.create(batch, None, None, mCuSeqlensQ, None, mSeqUsedQ, None,
-                                        pad_tile_m=self.tile_m)
-                rows = mCuSeqlensQ[batch + 1] - seq.offset_q
+                seq = SeqlenInfo.from_lengths(batch, offset_q, seqlen_q, 0, 0,
+                                              pad_tile_m=self.tile_m)
                 for k in cutlass.range_constexpr(self.tile_m // OCTET):
                     pos8 = block * self.tile_m + k * OCTET
                     if pos8 < rows:

@@ -29,6 +29,9 @@ class Barrier(enum.IntEnum):
     DS_READY_ODD = 8
     DQ_FULL_ODD = 9
     DQ_EMPTY_ODD = 10
+    # cfg.early_dv: one warpgroup's dV rows are in sV (DV_STAGED + wg, 128 threads)
+    DV_STAGED = 11
+    DV_STAGED_WG2 = 12
 
 
 def parity_barrier(even: Barrier, odd: Barrier, step: Int32) -> Int32:

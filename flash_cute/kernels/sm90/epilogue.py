@@ -7,6 +7,8 @@
     store_acc_rows   accumulator fragment -> global straight from registers, predicated
     store_staged     accumulator tiles -> shared tiles that other warps may still be reading
                      -> global: barriers, TMA stores or row stores, release
+    store_own_rows   one warpgroup's rows of an accumulator tile -> its own rows of a shared
+                     tile (no other warp reads them) -> global by row stores, at once
 
 fwd.py stages O in sO (= sQ); bwd.py stages dK / dV in sK / sV with
 ``BwdSm90Config.tma_epilogue`` (store_staged), else stores them from registers.
@@ -151,3 +153,24 @@ def store_staged_tma(s_tiles, g_tiles, num_threads: cutlass.Constexpr[int],
             release()
     else:
         cute.arch.barrier_arrive(barrier_id=staged_barrier, number_of_threads=num_threads)
+
+
+@cute.jit
+def store_own_rows(tiled_mma: cute.TiledMma, acc: cute.Tensor, sT: cute.Tensor,
+                   gT: cute.Tensor, tidx: Int32, part: Int32,
+                   part_rows: cutlass.Constexpr[int], part_threads: cutlass.Constexpr[int],
+                   barrier_id: Int32, rows: Int32):
+    """Thread ``tidx``'s fragment of ``tiled_mma``'s fp32 C tile ``acc`` -> the shared tile
+    ``sT`` (its dtype) -> ``gT``, for one part of the MMA's threads on its own: ``part``'s
+    ``part_threads`` threads hold rows part * part_rows .. + part_rows - 1 of the tile, which
+    no other warp may be reading, and store the first ``rows`` of them (counted from the
+    part's first row) with 16-byte row stores after the named barrier ``barrier_id`` (one id
+    per part)."""
+    staged = cute.make_rmem_tensor_like(acc, sT.element_type)
+    staged.store(acc.load().to(sT.element_type))
+    stmatrix_acc(tiled_mma, staged, sT, tidx)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=part_threads)
+    cols = cute.size(sT, mode=[1])
+    store_smem_rows(cute.local_tile(sT, (part_rows, cols), (part, 0)),
+                    cute.local_tile(gT, (part_rows, cols), (part, 0)), rows,
+                    tidx % part_threads, part_threads)
