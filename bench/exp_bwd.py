@@ -147,11 +147,13 @@ VARIANTS = {
     # Session 32 (BwdSm90Config.early_dv): each warpgroup stores its dV rows after its own
     # last query block; the epilogue stages and TMA-stores dK alone.
     "early_dv": {"early_dv": True},
+    # ... and dK too (BwdSm90Config.early_dk): no epilogue shared by the warpgroups.
+    "early_dkv": {"early_dv": True, "early_dk": True},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
 VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80", "talt_lse", "dq_overlap",
-                  "swizzle_dq", "swizzle_dq_det", "ds_before_dv", "early_dv")
+                  "swizzle_dq", "swizzle_dq_det", "ds_before_dv", "early_dv", "early_dkv")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

@@ -505,6 +505,13 @@ class BwdSm90Config:
     # d=128). Narrow kernel with the staged epilogue (no effect elsewhere: the wide kernel's
     # warpgroups share sV's rows). Not yet GPU-checked or timed.
     early_dv: bool = False
+    # With early_dv and dQ in turns ("alt" / "talt"), one tile per CTA: dK too leaves per
+    # warpgroup, with no epilogue shared by both. The one with the last block's dQ turn
+    # finishes last (that dQ reads all of sK) and stages its dK in its own rows of sK; the
+    # other stages its dK in the sdS buffer its own last turn read (block m_end - 2's). Both
+    # row-store at once: no KV_FREE / DKV_STAGED barrier, no TMA store or read wait. Not yet
+    # GPU-checked or timed.
+    early_dk: bool = False
 
     @property
     def dq_panels(self) -> bool:

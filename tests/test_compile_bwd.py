@@ -390,8 +390,9 @@ def test_bwd_main_tma_epilogue_compiles(dtype, d, causal, gqa, deterministic, va
         assert ops.get("UTMASTG", 0) > 0 and ops.get("STG", 0) == 0, ops
 
 
-# cfg.early_dv (not yet GPU-checked): (d, causal, overrides, varlen, (STL, LDL)). The d=64
-# 128-row tile spills a word (reloaded once per masked key block and in the epilogue).
+# cfg.early_dv / early_dk (not yet GPU-checked): (d, causal, overrides, varlen, (STL, LDL) of
+# early_dv alone). The d=64 128-row tile spills a word with early_dv alone (reloaded once per
+# masked key block and in the epilogue); with early_dk too it is clean.
 EARLY_DV_VARIANTS = [(128, True, {}, False, (0, 0)),
                      (128, False, backward.BATCHED_TALT, False, (0, 0)),
                      (96, True, {}, False, (0, 0)), (128, True, {}, True, (0, 0)),
@@ -399,31 +400,43 @@ EARLY_DV_VARIANTS = [(128, True, {}, False, (0, 0)),
                       False, (1, 4))]
 
 
+@pytest.mark.parametrize("dk", [False, True], ids=["dv", "dkv"])
 @pytest.mark.parametrize("d,causal,overrides,varlen,spills", EARLY_DV_VARIANTS, ids=str)
-def test_bwd_early_dv_compiles(d, causal, overrides, varlen, spills, tmp_path, monkeypatch):
+def test_bwd_early_dv_compiles(d, causal, overrides, varlen, spills, dk, tmp_path,
+                               monkeypatch):
     """cfg.early_dv: each warpgroup's dV rows leave by 16-byte row stores after its own last
     query block (one per 8 elements of its half), the shared epilogue TMA-stores dK alone (half
-    the UTMASTG; varlen: dK's row stores); the main loop's HGMMA unchanged."""
+    the UTMASTG; varlen: dK's row stores). cfg.early_dk too: no shared epilogue, dK by row
+    stores from either of two staging places (two copies of the code), no TMA store. The main
+    loop's HGMMA unchanged."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
     args = (ARCH, "BFloat16", d, causal)
     base = sass_opcodes(backward.bwd_cubin(*args, varlen=varlen, **overrides), tmp_path)
-    ops = sass_opcodes(backward.bwd_cubin(*args, varlen=varlen, early_dv=True, **overrides),
-                       tmp_path)
-    check_main_sass(ops, spills)
-    assert ops["HGMMA"] == base["HGMMA"] and ops["STSM"] == base["STSM"], (ops, base)
-    half_elems = BwdSm90Config.for_head_dim(d).tile_n * d // 2  # one warpgroup's dV rows
-    assert ops.get("STG", 0) == base.get("STG", 0) + (0 if varlen else
-                                                       half_elems // (8 * WG_THREADS)), ops
-    assert ops.get("UTMASTG", 0) * 2 == base.get("UTMASTG", 0), ops
+    ops = sass_opcodes(backward.bwd_cubin(*args, varlen=varlen, early_dv=True, early_dk=dk,
+                                          **overrides), tmp_path)
+    check_main_sass(ops, (0, 0) if dk else spills)
+    assert ops["HGMMA"] == base["HGMMA"], (ops, base)
+    half = BwdSm90Config.for_head_dim(d).tile_n * d // 2 // (8 * WG_THREADS)  # per thread
+    if dk:  # dV once, dK twice (sdS or sK); varlen had row stores for both already
+        assert ops.get("UTMASTG", 0) == 0, ops
+        assert ops.get("STG", 0) == base.get("STG", 0) + (half if varlen else 3 * half), ops
+    else:
+        assert ops["STSM"] == base["STSM"], (ops, base)
+        assert ops.get("STG", 0) == base.get("STG", 0) + (0 if varlen else half), ops
+        assert ops.get("UTMASTG", 0) * 2 == base.get("UTMASTG", 0), ops
 
 
 def test_bwd_early_dv_wide_unchanged(tmp_path, monkeypatch):
-    """The wide kernel's warpgroups both read every row of sV: cfg.early_dv leaves it as is."""
+    """The wide kernel's warpgroups both read every row of sV: cfg.early_dv / early_dk leave
+    it as is; so does early_dk the persistent kernel (sdS and sK reused by the next tile)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
     wide = (ARCH, "BFloat16", 256, True)
-    assert backward.bwd_ptx(*wide, early_dv=True) == backward.bwd_ptx(*wide)
+    assert backward.bwd_ptx(*wide, early_dv=True, early_dk=True) == backward.bwd_ptx(*wide)
+    pers = (ARCH, "BFloat16", 128, True)
+    assert backward.bwd_ptx(*pers, persistent=True, early_dv=True, early_dk=True) == \
+        backward.bwd_ptx(*pers, persistent=True, early_dv=True)
 
 
 def test_bwd_tma_epilogue_default_and_gqa_unchanged(tmp_path, monkeypatch):

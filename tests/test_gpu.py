@@ -490,7 +490,7 @@ def test_grads_deterministic(d, causal, hk):
 
 @pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
 @pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0", "p16_view=0",
-                                  "swizzle_dq=0", "early_dv=1"])
+                                  "swizzle_dq=0", "early_dv=1", "early_dv=1,early_dk=1"])
 @pytest.mark.parametrize("d,causal,hk,varlen", [(64, False, 4, False), (128, True, 2, False),
                                                 (128, False, 4, False), (96, False, 1, True),
                                                 (128, True, 4, True), (256, True, 2, False)])
@@ -534,9 +534,11 @@ def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
                                                    (64, True, 300, 194, False),
                                                    (128, False, 1100, 1250, False),
                                                    (128, True, 0, 0, True)])
-def test_early_dv_bitwise(d, causal, sq, sk, varlen, monkeypatch):
-    """BwdSm90Config.early_dv only moves where dV is stored (each warpgroup's rows right after
-    its own last query block): deterministic gradients bitwise equal to the shipped config's,
+@pytest.mark.parametrize("spec", ["early_dv=1", "early_dv=1,early_dk=1"])
+def test_early_dv_bitwise(d, causal, sq, sk, varlen, spec, monkeypatch):
+    """BwdSm90Config.early_dv / early_dk only move where dV / dK are stored (each warpgroup's
+    rows right after its own last query block, dK through sK or a free sdS buffer):
+    deterministic gradients bitwise equal to the shipped config's,
     without GQA (whose fp32 dK / dV keep their own epilogue), key lengths ending inside the
     first or the second warpgroup's half of the last key block (1090: 66 of 128 keys; 900: 4;
     194: 66; 1250 (the 80-row tile): 98), varlen with seqused_k ending mid-block and empty
@@ -561,8 +563,8 @@ def test_early_dv_bitwise(d, causal, sq, sk, varlen, monkeypatch):
         out = flash_attn_func(*leaves, causal=causal, deterministic=True)
         return torch.autograd.grad(out, leaves, dout)
 
-    for name, a, b in zip(("dq", "dk", "dv"), grads(""), grads("early_dv=1")):
-        assert torch.equal(a, b), f"early_dv: {name} differs from the shipped config's"
+    for name, a, b in zip(("dq", "dk", "dv"), grads(""), grads(spec)):
+        assert torch.equal(a, b), f"{spec}: {name} differs from the shipped config's"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -196,6 +196,13 @@ class FlashBwdSm90(DqTile):
         kernel's warpgroups both read every row of sV)."""
         return self.cfg.early_dv and self.staged_dkv and not self.cfg.wide
 
+    @property
+    def early_dk(self) -> bool:
+        """cfg.early_dk where it applies: early_dv, dQ in turns (the turn of the last block
+        tells which warpgroup finishes last), one tile per CTA (sdS and sK are not reused)."""
+        return (self.cfg.early_dk and self.early_dv and self.cfg.dq_turns
+                and not self.persistent)
+
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -254,17 +261,20 @@ class FlashBwdSm90(DqTile):
             cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(tm), (tm,))
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mD, cute.make_layout(tm), (tm,))
-        # Staged epilogue: TMA stores of dK / dV from sK / sV. Batched, the TMA views replace
-        # mdK / mdV; varlen keeps both (a sequence's last key block takes row stores).
+        # Staged epilogue: TMA stores of dK / dV from sK / sV (early_dv / early_dk: row stores
+        # instead). Batched, the TMA views replace mdK / mdV; varlen keeps both (a sequence's
+        # last key block takes row stores).
         tma_dk = tma_dv = tma_mdK = tma_mdV = None
         if const_expr(self.tma_dkv):
-            tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
+            if const_expr(not self.early_dk):
+                tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
             if const_expr(not self.early_dv):  # else dV leaves by row stores
                 tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
             if const_expr(not self.varlen):  # batched: the TMA views replace the tensors
-                mdK, tma_mdK = tma_mdK, None
+                if const_expr(tma_mdK is not None):
+                    mdK, tma_mdK = tma_mdK, None
                 if const_expr(tma_mdV is not None):
                     mdV, tma_mdV = tma_mdV, None
         q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
@@ -404,6 +414,15 @@ class FlashBwdSm90(DqTile):
             sdQ_layout = cute.make_composed_layout(cute.make_swizzle(*self.sdq_swizzle()), 0,
                                                    sdQ_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sdK_lead = None
+        if const_expr(self.early_dk):
+            # A dK staging view whose warpgroup-w rows lie in sdS buffer w (cfg.early_dk).
+            dk_layout = make_smem_layout(self.dtype, (KEYS_PER_WG, self.d))
+            if const_expr(cute.cosize(dk_layout.outer) * 2 > cute.cosize(sdS_layout.outer)):
+                raise ValueError("early_dk: a warpgroup's dK rows exceed an sdS buffer")
+            sdK_lead = storage.sdS.get_tensor(cute.group_modes(cute.select(cute.append(
+                dk_layout.outer, cute.make_layout(NUM_MMA_WG, stride=cute.cosize(
+                    sdS_layout.outer) // 2)), mode=[0, 2, 1]), 0, 2), swizzle=dk_layout.inner)
 
         if const_expr(not self.lean_prologue):
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
@@ -427,7 +446,8 @@ class FlashBwdSm90(DqTile):
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv, tma_mdK,
                                                             tma_mdV), sQ, sK, sV,
                          sdO, sdS, sLSE, sD, sdQ, pipe_kv, pipe_q, pipe_do, scale_log2,
-                         dk_scale, tiles, mSem if const_expr(self.cfg.timeline) else None)
+                         dk_scale, tiles, mSem if const_expr(self.cfg.timeline) else None,
+                         sdK_lead)
         else:
             pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
 
@@ -597,9 +617,10 @@ class FlashBwdSm90(DqTile):
             dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
             sdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
             pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles,
-            trace: Optional[cute.Tensor]):
+            trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor] = None):
         """MMA warpgroups: per tile, the loop over query blocks, then the dK / dV epilogue.
-        ``trace``: cfg.timeline's stamps go there (the semaphore buffer), else None."""
+        ``trace``: cfg.timeline's stamps go there (the semaphore buffer), else None;
+        ``sdK_lead``: cfg.early_dk's staging view over the sdS buffers."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -690,7 +711,7 @@ class FlashBwdSm90(DqTile):
                  rP)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg,
-                       trace)
+                       trace, sdK_lead)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         self.each_tile(tiles, body, (kv, st))
@@ -700,7 +721,8 @@ class FlashBwdSm90(DqTile):
                  frags, dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv, pipe_q, pipe_do,
                  scale_log2: Float32, dk_scale: Float32, tidx: Int32, wg: Int32,
-                 trace: Optional[cute.Tensor], tile: KeyTile, states):
+                 trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor], tile: KeyTile,
+                 states):
         """One tile: zero dK / dV, the query blocks, the epilogue; returns the advanced
         (kv, q/dO) consumer states."""
         tm, tn = self.tile_m, self.tile_n
@@ -753,8 +775,23 @@ class FlashBwdSm90(DqTile):
             store_own_rows(mma_dkv, tdVrdV, sV, gdV, tidx, wg, KEYS_PER_WG, WG_THREADS,
                            Int32(int(Barrier.DV_STAGED)) + wg,
                            seqlen_k - n_block * tn - wg * KEYS_PER_WG)
-        self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
-                      tile_kv)
+        if const_expr(self.early_dk):
+            # The warpgroup with the last block's dQ turn (m_end - 1) finishes last: then no
+            # wgmma reads sK, and its dK goes to its own rows there. The other's own last turn
+            # (block m_end - 2, waited on) was the last reader of sdS buffer m_end % 2, where
+            # its dK goes (sdK_lead's rows of warpgroup w lie in buffer w).
+            tdKrdK.store(tdKrdK.load() * dk_scale)
+            gdK = cute.local_tile(seq.k_rows(dkv.mdK, tile.head, tile.batch), (tn, self.d),
+                                  (n_block, 0))
+            own = (tidx, wg, KEYS_PER_WG, WG_THREADS, Int32(int(Barrier.DV_STAGED)) + wg,
+                   seqlen_k - n_block * tn - wg * KEYS_PER_WG)
+            if wg == m_end % NUM_MMA_WG:
+                store_own_rows(mma_dkv, tdKrdK, sdK_lead, gdK, *own)
+            else:
+                store_own_rows(mma_dkv, tdKrdK, sK, gdK, *own)
+        else:
+            self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
+                          tile_kv)
         self.stamp(trace, tidx, {"epilogue_done": None})
         return kv, st
 
