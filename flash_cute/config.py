@@ -502,15 +502,17 @@ class BwdSm90Config:
     # stores, instead of beside dK after both warpgroups' last dQ wgmma (KV_FREE). The one that
     # finishes first (the other has the last dQ turn: 830-1110 cycles, bench/bwd_timeline.py)
     # hides its dV there, and the shared epilogue stages and stores dK alone (32 of 64 KB at
-    # d=128). Narrow kernel with the staged epilogue (no effect elsewhere: the wide kernel's
-    # warpgroups share sV's rows). Not yet GPU-checked or timed.
+    # d=128). Narrow kernel with the staged epilogue; no effect elsewhere (the wide kernel's
+    # warpgroups share sV's rows; GQA's fp32 dK / dV and the persistent kernel without
+    # tma_epilogue are not staged), so time it where it applies. Not yet GPU-checked or timed.
     early_dv: bool = False
     # With early_dv and dQ in turns ("alt" / "talt"), one tile per CTA: dK too leaves per
     # warpgroup, with no epilogue shared by both. The one with the last block's dQ turn
     # finishes last (that dQ reads all of sK) and stages its dK in its own rows of sK; the
     # other stages its dK in the sdS buffer its own last turn read (block m_end - 2's). Both
-    # row-store at once: no KV_FREE / DKV_STAGED barrier, no TMA store or read wait. Not yet
-    # GPU-checked or timed.
+    # row-store at once: no KV_FREE / DKV_STAGED barrier, no TMA store or read wait. No effect
+    # elsewhere (the persistent kernel reuses sdS / sK for its next tile: it would need a
+    # proxy fence and the K/V release after these stores). Not yet GPU-checked or timed.
     early_dk: bool = False
 
     @property

@@ -434,9 +434,12 @@ def test_bwd_early_dv_wide_unchanged(tmp_path, monkeypatch):
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
     wide = (ARCH, "BFloat16", 256, True)
     assert backward.bwd_ptx(*wide, early_dv=True, early_dk=True) == backward.bwd_ptx(*wide)
-    pers = (ARCH, "BFloat16", 128, True)
-    assert backward.bwd_ptx(*pers, persistent=True, early_dv=True, early_dk=True) == \
-        backward.bwd_ptx(*pers, persistent=True, early_dv=True)
+    # The persistent kernel stages dK / dV only with tma_epilogue (off there by default).
+    pers = dict(persistent=True, tma_epilogue=True)
+    args = (ARCH, "BFloat16", 128, True)
+    dv = backward.bwd_ptx(*args, early_dv=True, **pers)
+    assert dv != backward.bwd_ptx(*args, **pers)
+    assert backward.bwd_ptx(*args, early_dv=True, early_dk=True, **pers) == dv
 
 
 def test_bwd_tma_epilogue_default_and_gqa_unchanged(tmp_path, monkeypatch):
