@@ -149,6 +149,8 @@ VARIANTS = {
     "early_dv": {"early_dv": True},
     # ... and dK too (BwdSm90Config.early_dk): no epilogue shared by the warpgroups.
     "early_dkv": {"early_dv": True, "early_dk": True},
+    # ... and by TMA boxes of 64 columns per warpgroup (BwdSm90Config.early_tma), batched.
+    "early_dkv_tma": {"early_dv": True, "early_dk": True, "early_tma": True},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.

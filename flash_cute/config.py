@@ -514,6 +514,11 @@ class BwdSm90Config:
     # elsewhere (the persistent kernel reuses sdS / sK for its next tile: it would need a
     # proxy fence and the K/V release after these stores). Not yet GPU-checked or timed.
     early_dk: bool = False
+    # With early_dk, batched, d a multiple of 64: each warpgroup's staged dK / dV rows leave by
+    # TMA stores of (64 rows, 64 columns) boxes (whole 8 KB swizzle blocks in every staging
+    # place) issued by its first warp, instead of row stores; that warp waits for their read
+    # before it exits. Not yet GPU-checked or timed.
+    early_tma: bool = False
 
     @property
     def dq_panels(self) -> bool:

@@ -427,6 +427,27 @@ def test_bwd_early_dv_compiles(d, causal, overrides, varlen, spills, dk, tmp_pat
         assert ops.get("UTMASTG", 0) * 2 == base.get("UTMASTG", 0), ops
 
 
+@pytest.mark.parametrize("d,causal,overrides", [v[:3] for v in EARLY_DV_VARIANTS
+                                                 if not v[3] and v[0] % 64 == 0], ids=str)
+def test_bwd_early_tma_compiles(d, causal, overrides, tmp_path, monkeypatch):
+    """cfg.early_tma: each warpgroup's staged dK / dV rows leave by TMA stores of 64-column
+    boxes (dV once, dK in two copies for its two staging places), no global store, spill-free;
+    d=96 (not whole boxes) and varlen keep early_dk's row stores."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    flags = dict(early_dv=True, early_dk=True)
+    args = (ARCH, "BFloat16", d, causal)
+    ops = sass_opcodes(backward.bwd_cubin(*args, early_tma=True, **flags, **overrides),
+                       tmp_path)
+    check_main_sass(ops)
+    assert ops.get("UTMASTG", 0) == 3 * d // 64 and ops.get("STG", 0) == 0, ops
+    if d == 128 and causal:
+        for other in ((ARCH, "BFloat16", 96, True), args):
+            kw = {} if other[2] == 96 else {"varlen": True}
+            assert backward.bwd_ptx(*other, early_tma=True, **flags, **kw) == \
+                backward.bwd_ptx(*other, **flags, **kw)
+
+
 def test_bwd_early_dv_wide_unchanged(tmp_path, monkeypatch):
     """The wide kernel's warpgroups both read every row of sV: cfg.early_dv / early_dk leave
     it as is; so does early_dk the persistent kernel (sdS and sK reused by the next tile)."""

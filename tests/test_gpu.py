@@ -534,10 +534,12 @@ def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
                                                    (64, True, 300, 194, False),
                                                    (128, False, 1100, 1250, False),
                                                    (128, True, 0, 0, True)])
-@pytest.mark.parametrize("spec", ["early_dv=1", "early_dv=1,early_dk=1"])
+@pytest.mark.parametrize("spec", ["early_dv=1", "early_dv=1,early_dk=1",
+                                  "early_dv=1,early_dk=1,early_tma=1"])
 def test_early_dv_bitwise(d, causal, sq, sk, varlen, spec, monkeypatch):
-    """BwdSm90Config.early_dv / early_dk only move where dV / dK are stored (each warpgroup's
-    rows right after its own last query block, dK through sK or a free sdS buffer):
+    """BwdSm90Config.early_dv / early_dk / early_tma only move where and how dV / dK are
+    stored (each warpgroup's rows right after its own last query block, dK through sK or a
+    free sdS buffer, by row stores or TMA boxes):
     deterministic gradients bitwise equal to the shipped config's,
     without GQA (whose fp32 dK / dV keep their own epilogue), key lengths ending inside the
     first or the second warpgroup's half of the last key block (1090: 66 of 128 keys; 900: 4;

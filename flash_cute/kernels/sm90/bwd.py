@@ -110,7 +110,7 @@ from . import bwd_cols, pdl
 from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
                         LoadOperands, PersistentTiles)
-from .epilogue import store_acc_rows, store_own_rows, store_staged
+from .epilogue import TMA_BOX_COLS, store_acc_rows, store_own_rows, store_staged
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
@@ -203,6 +203,13 @@ class FlashBwdSm90(DqTile):
         return (self.cfg.early_dk and self.early_dv and self.cfg.dq_turns
                 and not self.persistent)
 
+    @property
+    def early_tma(self) -> bool:
+        """cfg.early_tma where it applies: early_dk, batched (a box would also write the next
+        sequence's rows), whole TMA_BOX_COLS-column boxes."""
+        return (self.cfg.early_tma and self.early_dk and not self.varlen
+                and self.d % TMA_BOX_COLS == 0)
+
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -272,6 +279,12 @@ class FlashBwdSm90(DqTile):
             if const_expr(not self.early_dv):  # else dV leaves by row stores
                 tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
                     cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
+            if const_expr(self.early_tma):  # a warpgroup's rows, 64 columns per store
+                box = make_smem_layout(dt, (KEYS_PER_WG, TMA_BOX_COLS))
+                tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), mdK, box, (KEYS_PER_WG, TMA_BOX_COLS))
+                tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), mdV, box, (KEYS_PER_WG, TMA_BOX_COLS))
             if const_expr(not self.varlen):  # batched: the TMA views replace the tensors
                 if const_expr(tma_mdK is not None):
                     mdK, tma_mdK = tma_mdK, None
@@ -774,7 +787,8 @@ class FlashBwdSm90(DqTile):
                                   (n_block, 0))
             store_own_rows(mma_dkv, tdVrdV, sV, gdV, tidx, wg, KEYS_PER_WG, WG_THREADS,
                            Int32(int(Barrier.DV_STAGED)) + wg,
-                           seqlen_k - n_block * tn - wg * KEYS_PER_WG)
+                           seqlen_k - n_block * tn - wg * KEYS_PER_WG,
+                           dkv.tma_dv if const_expr(self.early_tma) else None)
         if const_expr(self.early_dk):
             # The warpgroup with the last block's dQ turn (m_end - 1) finishes last: then no
             # wgmma reads sK, and its dK goes to its own rows there. The other's own last turn
@@ -784,11 +798,15 @@ class FlashBwdSm90(DqTile):
             gdK = cute.local_tile(seq.k_rows(dkv.mdK, tile.head, tile.batch), (tn, self.d),
                                   (n_block, 0))
             own = (tidx, wg, KEYS_PER_WG, WG_THREADS, Int32(int(Barrier.DV_STAGED)) + wg,
-                   seqlen_k - n_block * tn - wg * KEYS_PER_WG)
+                   seqlen_k - n_block * tn - wg * KEYS_PER_WG,
+                   dkv.tma_dk if const_expr(self.early_tma) else None)
             if wg == m_end % NUM_MMA_WG:
                 store_own_rows(mma_dkv, tdKrdK, sdK_lead, gdK, *own)
             else:
                 store_own_rows(mma_dkv, tdKrdK, sK, gdK, *own)
+            if const_expr(self.early_tma):
+                if cute.arch.make_warp_uniform(tidx // 32) % (WG_THREADS // 32) == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # before the CTA exits
         else:
             self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
                           tile_kv)

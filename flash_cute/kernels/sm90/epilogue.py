@@ -21,6 +21,8 @@ from cutlass.cute.nvgpu import warp
 from ..common.layout import acc_as_mn, row_copy
 from .pipelines import tma_split
 
+TMA_BOX_COLS = 64  # store_own_rows' TMA box width: one 128-byte swizzle atom of 2-byte data
+
 
 @cute.jit
 def stmatrix_acc(tiled_mma: cute.TiledMma, acc: cute.Tensor, sC: cute.Tensor, tidx: Int32):
@@ -159,18 +161,29 @@ def store_staged_tma(s_tiles, g_tiles, num_threads: cutlass.Constexpr[int],
 def store_own_rows(tiled_mma: cute.TiledMma, acc: cute.Tensor, sT: cute.Tensor,
                    gT: cute.Tensor, tidx: Int32, part: Int32,
                    part_rows: cutlass.Constexpr[int], part_threads: cutlass.Constexpr[int],
-                   barrier_id: Int32, rows: Int32):
+                   barrier_id: Int32, rows: Int32, tma_atom=None):
     """Thread ``tidx``'s fragment of ``tiled_mma``'s fp32 C tile ``acc`` -> the shared tile
     ``sT`` (its dtype) -> ``gT``, for one part of the MMA's threads on its own: ``part``'s
     ``part_threads`` threads hold rows part * part_rows .. + part_rows - 1 of the tile, which
     no other warp may be reading, and store the first ``rows`` of them (counted from the
     part's first row) with 16-byte row stores after the named barrier ``barrier_id`` (one id
-    per part)."""
+    per part). With ``tma_atom`` (a box of part_rows x B columns; gT a TMA view, clipped at
+    its extent) the part's first warp issues one TMA store per B columns and commits them;
+    it must wait for their read (cp_async_bulk_wait_group) before the CTA exits."""
     staged = cute.make_rmem_tensor_like(acc, sT.element_type)
     staged.store(acc.load().to(sT.element_type))
     stmatrix_acc(tiled_mma, staged, sT, tidx)
+    if const_expr(tma_atom is not None):
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> TMA reads
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=part_threads)
     cols = cute.size(sT, mode=[1])
-    store_smem_rows(cute.local_tile(sT, (part_rows, cols), (part, 0)),
-                    cute.local_tile(gT, (part_rows, cols), (part, 0)), rows,
-                    tidx % part_threads, part_threads)
+    sP = cute.local_tile(sT, (part_rows, cols), (part, 0))
+    gP = cute.local_tile(gT, (part_rows, cols), (part, 0))
+    if const_expr(tma_atom is None):
+        store_smem_rows(sP, gP, rows, tidx % part_threads, part_threads)
+    elif cute.arch.make_warp_uniform(tidx // 32) % (part_threads // 32) == 0:
+        # The part's first warp; every lane issues, ptxas makes one UTMASTG per warp.
+        for c in cutlass.range_constexpr(cols // TMA_BOX_COLS):
+            tma_store(tma_atom, cute.local_tile(sP, (part_rows, TMA_BOX_COLS), (0, c)),
+                      cute.local_tile(gP, (part_rows, TMA_BOX_COLS), (0, c)))
+        cute.arch.cp_async_bulk_commit_group()
