@@ -488,6 +488,19 @@ def test_grads_deterministic(d, causal, hk):
     check_grads_close(runs[0], [ref[i] for i in range(3)], [low[i] for i in range(3)])
 
 
+def config_grads(spec, monkeypatch, q, k, v, dout, causal, varlen=None, **used):
+    """Deterministic (dq, dk, dv) under FLASH_CUTE_BWD_CONFIG=spec, on poisoned output
+    memory; ``varlen``: (cu_q, cu_k, max_q, max_k) of packed q / k / v."""
+    monkeypatch.setenv(backward.CONFIG_ENV, spec)
+    if varlen is not None:
+        return varlen_grads(q, k, v, *varlen, dout, causal=causal, deterministic=True,
+                            **used)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    _poison_allocator()
+    out = flash_attn_func(*leaves, causal=causal, deterministic=True)
+    return torch.autograd.grad(out, leaves, dout)
+
+
 @pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
 @pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0", "p16_view=0",
                                   "swizzle_dq=0", "early_dv=1", "early_dv=1,early_dk=1"])
@@ -545,27 +558,18 @@ def test_early_dv_bitwise(d, causal, sq, sk, varlen, spec, monkeypatch):
     first or the second warpgroup's half of the last key block (1090: 66 of 128 keys; 900: 4;
     194: 66; 1250 (the 80-row tile): 98), varlen with seqused_k ending mid-block and empty
     sequences; poisoned outputs show rows it failed to write."""
-    kw = {}
+    kw, packed = {}, None
     if varlen:
         lens_q, lens_k = [300, 0, 1, 130, 65], [250, 70, 1, 0, 200]
-        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens_q, lens_k, 2, 2, d, seed=5)
+        q, k, v, *packed = _varlen_inputs(lens_q, lens_k, 2, 2, d, seed=5)
         kw = {"seqused_k": torch.tensor([200, 66, 1, 0, 129], dtype=torch.int32,
                                         device=DEVICE)}
     else:
         q, k, v = qkv_inputs(2, sq, sk, 2, 2, d, seed=d + sq)
     dout = rand(*q.shape, seed=6)
-
-    def grads(spec):
-        monkeypatch.setenv(backward.CONFIG_ENV, spec)
-        if varlen:
-            return varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, causal=causal,
-                                deterministic=True, **kw)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        _poison_allocator()
-        out = flash_attn_func(*leaves, causal=causal, deterministic=True)
-        return torch.autograd.grad(out, leaves, dout)
-
-    for name, a, b in zip(("dq", "dk", "dv"), grads(""), grads(spec)):
+    args = (monkeypatch, q, k, v, dout, causal, packed)
+    for name, a, b in zip(("dq", "dk", "dv"), config_grads("", *args, **kw),
+                          config_grads(spec, *args, **kw)):
         assert torch.equal(a, b), f"{spec}: {name} differs from the shipped config's"
 
 
@@ -966,24 +970,15 @@ def test_talt_dqt_panels_bitwise(causal, hk, varlen, used, monkeypatch):
     if used:
         kw = {n: torch.tensor(u, dtype=torch.int32, device=DEVICE) for n, u in
               (("seqused_q", [1000, 0, 1, 170, 64]), ("seqused_k", [65, 333, 1, 0, 900]))}
+    packed = None
     if varlen:
-        q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs(lens, lens[::-1], 4, hk, 128,
-                                                           seed=9)
+        q, k, v, *packed = _varlen_inputs(lens, lens[::-1], 4, hk, 128, seed=9)
     else:
         q, k, v = qkv_inputs(2, 1100, 1250, 4, hk, 128, seed=9)
     dout = rand(*q.shape, seed=10)
-
-    def grads(spec):
-        monkeypatch.setenv(backward.CONFIG_ENV, spec)
-        if varlen:
-            return varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, causal=causal,
-                                deterministic=True, **kw)
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        _poison_allocator()
-        out = flash_attn_func(*leaves, causal=causal, deterministic=True)
-        return torch.autograd.grad(out, leaves, dout)
-
-    for name, a, b in zip(("dq", "dk", "dv"), grads(talt), grads(talt + ",dqt_panels=1")):
+    args = (monkeypatch, q, k, v, dout, causal, packed)
+    for name, a, b in zip(("dq", "dk", "dv"), config_grads(talt, *args, **kw),
+                          config_grads(talt + ",dqt_panels=1", *args, **kw)):
         assert torch.equal(a, b), f"dqt_panels: {name} differs from the talt tile's"
 
 
