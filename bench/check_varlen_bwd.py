@@ -75,6 +75,10 @@ def cases():
             case(8, 128, True, kind="deterministic"), case(8, 256, False),
             case(4, 128, True, kind="per-sequence"), case(6, 128, True, kind="autograd"),
             case(4, 128, True, kind="no-recompile")]
+    # Without GQA (dK / dV staged in sK / sV; a sequence's full key blocks by TMA, its last by
+    # rows): two more compiled variants.
+    out += [case(2, 64, True, h=2, hk=2), case(6, 64, True, h=2, hk=2),
+            case(6, 256, True, h=2, hk=2)]
     return out
 
 

@@ -83,6 +83,10 @@ VARIANTS = {
     "talt_lse": {"tile_m": 80, "dq_split": "talt"},
     "talt": {"tile_m": 80, "dq_split": "talt", "early_lse_d": False},
     "talt_det": {"tile_m": 80, "dq_split": "talt", "deterministic": True},
+    # BwdSm90Config.dqt_panels: the talt dQ^T tile in d-major 16-query panels (STS.64 stores).
+    "talt_panels": {"tile_m": 80, "dq_split": "talt", "dqt_panels": True},
+    "talt_panels_det": {"tile_m": 80, "dq_split": "talt", "dqt_panels": True,
+                        "deterministic": True},
     # docs/sass_bwd_vs_fa4.md: uniform dQ descriptors (d=128, tm80, tm128; a no-op for "alt"),
     # LSE / D read into registers before the wgmma waits (tile_m 64), and both.
     "udq": {"uniform_dq_desc": True},
@@ -140,11 +144,18 @@ VARIANTS = {
     "no_stagger": {"stagger": False},
     # Session 30: the flags the varlen kernel runs with, at once.
     "varlen_flags": VARLEN_FLAGS,
+    # Session 32 (BwdSm90Config.early_dv): each warpgroup stores its dV rows after its own
+    # last query block; the epilogue stages and TMA-stores dK alone.
+    "early_dv": {"early_dv": True},
+    # ... and dK too (BwdSm90Config.early_dk): no epilogue shared by the warpgroups.
+    "early_dkv": {"early_dv": True, "early_dk": True},
+    # ... and by TMA boxes of 64 columns per warpgroup (BwdSm90Config.early_tma), batched.
+    "early_dkv_tma": {"early_dv": True, "early_dk": True, "early_tma": True},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
 VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80", "talt_lse", "dq_overlap",
-                  "swizzle_dq", "swizzle_dq_det", "ds_before_dv")
+                  "swizzle_dq", "swizzle_dq_det", "ds_before_dv", "early_dv", "early_dkv")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

@@ -53,7 +53,8 @@ current stream.
 Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with
 sq_pad = sq rounded up to tile_m (64; 128 for the batched d=64 kernel; 80 for the batched
 d=128 kernel of long calls, BATCHED_TALT, whose dQaccum rows are unpadded (cfg.dq_row) and
-hold each row's 8-float groups permuted (cfg.dq_swizzle, undone by bwd_post)) (varlen: (h,
+hold each row's 8-float groups permuted (cfg.dq_swizzle, undone by bwd_post); with
+cfg.dqt_panels each 80-row block d-major in 16-query panels instead (cfg.dq_panels)) (varlen: (h,
 rows, ...) with rows = (total_q // tile_m + b) * tile_m);
 with GQA also fp32 dK, dV per query head (b, sk, h, d) (varlen: (total_k, h, d)).
 """
@@ -316,7 +317,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                  pdl=False, dq_swizzle=None):
+                  pdl=False, dq_swizzle=None, dq_panels=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -337,7 +338,7 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
         varlen_args = NO_VARLEN_Q
     if tile_m is None:
         tile_m = BwdSm90Config.for_head_dim(d).tile_m
-    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle),
+    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle, dq_panels),
                           (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
@@ -455,8 +456,8 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                     persistent: bool = False, cfg_overrides=None):
     """(pre, main, post for dq, batched post for the GQA dK/dV sums) compiled TVM-FFI
     functions; pre/post are shared across the flags and keyed by the main kernel's tile_m
-    (their padding unit), pdl (how they are chained to it) and, for dq, cfg.dq_swizzle (the
-    accumulator's order). ``cfg_overrides``: see bwd_config."""
+    (their padding unit), pdl (how they are chained to it) and, for dq, cfg.dq_swizzle and
+    cfg.dq_panels (the accumulator's order). ``cfg_overrides``: see bwd_config."""
     overrides = {**env_overrides(), **(cfg_overrides or {})}  # bwd_config's, parsed once
     cfg = _config(d, tuple(overrides.items()))
     tm, pdl = cfg.tile_m, cfg.pdl
@@ -472,11 +473,11 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                                       persistent=persistent, **overrides))
     post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, None),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
-    sw = cfg.dq_swizzle
-    post_dq = post if not varlen and sw is None else _get(
-        ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw),
+    sw, panels = cfg.dq_swizzle, cfg.dq_panels
+    post_dq = post if not varlen and sw is None and not panels else _get(
+        ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw) + (("panels",) if panels else ()),
         lambda: _compile_post(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
-                              dq_swizzle=sw))
+                              dq_swizzle=sw, dq_panels=panels))
     return pre, main, post_dq, post
 
 

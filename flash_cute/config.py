@@ -409,13 +409,20 @@ class BwdSm90Config:
     pdl: bool = False
     # dK / dV leave through shared memory (docs/bwd_vs_fa4.md P3): converted to the input
     # dtype and staged in sK / sV (free once the tile's last wgmma has read them), then one
-    # TMA store each (varlen: predicated 16-byte row stores, since a TMA box would write the
-    # next sequence's rows). Off: predicated 4-byte stores from the accumulators (half-used
-    # 32-byte sectors under ncu). GQA (fp32 per-query-head dK / dV, twice the bytes of sK /
-    # sV) keeps the register stores. On: +2% geomean over 14 shapes, +3-5% at s <= 2k (H200,
-    # bench/exp_bwd.py --also-short default tma_epi). The persistent kernel keeps the register
-    # stores unless asked (backward._compile_main): that pairing never ran on a GPU.
+    # TMA store each (varlen: see varlen_tma_store). Off: predicated 4-byte stores from the
+    # accumulators (half-used 32-byte sectors under ncu). GQA (fp32 per-query-head dK / dV,
+    # twice the bytes of sK / sV) keeps the register stores. On: +2% geomean over 14 shapes,
+    # +3-5% at s <= 2k (H200, bench/exp_bwd.py --also-short default tma_epi). The persistent
+    # kernel keeps the register stores unless asked (backward._compile_main): that pairing
+    # never ran on a GPU.
     tma_epilogue: bool = True
+    # Varlen with tma_epilogue: a sequence's full key blocks leave by TMA store too, only its
+    # last, partial block by predicated 16-byte row stores (a box would write the next
+    # sequence's rows); off: row stores for every block, whose drain the CTA waits for at exit
+    # (session 30's timeline: the varlen gap between CTAs 3200 cycles vs 1260 batched). The
+    # persistent varlen kernel keeps the row stores. GPU-checked (session 32: check_varlen_bwd
+    # d=128, test_varlen_grads_full_key_blocks d 64-256); off until it is timed.
+    varlen_tma_store: bool = False
     # dq_split "alt" only: the warpgroup without the dQ turn of a query block only arrives at
     # the dS barrier and skips the dQ hand-off, so the two warpgroups run about a dQ GEMM
     # apart instead of meeting twice per block (the lockstep that left both running their
@@ -486,6 +493,43 @@ class BwdSm90Config:
     # d=64 / d=128 within +-1.5%). Batched only: the varlen step read 0.5-0.8% slower with it
     # in two runs (backward._compile_main).
     ds_before_dv: bool = False
+    # dq_split "t" / "talt" (tile_m 80): sdQ, and so each dQaccum block (the bulk reduce copies
+    # it byte for byte), d-major in 16-query panels, so the accumulator's query pairs are
+    # adjacent and the dQ^T tile leaves by 8-byte stores (40 STS.64 per turn, was 80 scalar
+    # STS); bwd_post reads the blocks in that order. No effect on the other tiles (so one
+    # FLASH_CUTE_BWD_CONFIG can cover a run). GPU-checked (gradients bitwise equal to the row
+    # layout's, session 32), not yet timed.
+    dqt_panels: bool = False
+    # Each mma warpgroup stores its dV rows (its 64 keys) right after its own last query block:
+    # to its rows of sV (its own dP^T, the only reader of them, has completed), then 16-byte row
+    # stores, instead of beside dK after both warpgroups' last dQ wgmma (KV_FREE). The one that
+    # finishes first (the other has the last dQ turn: 830-1110 cycles, bench/bwd_timeline.py)
+    # hides its dV there, and the shared epilogue stages and stores dK alone (32 of 64 KB at
+    # d=128). Narrow kernel with the staged epilogue; no effect elsewhere (the wide kernel's
+    # warpgroups share sV's rows; GQA's fp32 dK / dV and the persistent kernel without
+    # tma_epilogue are not staged), so time it where it applies. GPU-checked
+    # bitwise (session 32), not yet timed.
+    early_dv: bool = False
+    # With early_dv and dQ in turns ("alt" / "talt"), one tile per CTA: dK too leaves per
+    # warpgroup, with no epilogue shared by both. The one with the last block's dQ turn
+    # finishes last (that dQ reads all of sK) and stages its dK in its own rows of sK; the
+    # other stages its dK in the sdS buffer its own last turn read (block m_end - 2's). Both
+    # row-store at once: no KV_FREE / DKV_STAGED barrier, no TMA store or read wait. No effect
+    # elsewhere (the persistent kernel reuses sdS / sK for its next tile: it would need a
+    # proxy fence and the K/V release after these stores). GPU-checked
+    # bitwise (session 32), not yet timed.
+    early_dk: bool = False
+    # With early_dk, batched, d a multiple of 64: each warpgroup's staged dK / dV rows leave by
+    # TMA stores of (64 rows, 64 columns) boxes (whole 8 KB swizzle blocks in every staging
+    # place) issued by its first warp, instead of row stores; that warp waits for their read
+    # before it exits. GPU-checked
+    # bitwise (session 32), not yet timed.
+    early_tma: bool = False
+
+    @property
+    def dq_panels(self) -> bool:
+        """dQaccum blocks d-major in 16-query panels (cfg.dqt_panels on the transposed tile)."""
+        return self.dqt_panels and self.dq_transposed
 
     @property
     def dq_row(self) -> int:
@@ -505,6 +549,8 @@ class BwdSm90Config:
         """dQaccum's (and sdQ's) 8-float column groups permuted per row: group g of row r sits
         at g ^ ((r >> shift) & 3); returns the shift (transposed dQ: 1, kernels/sm90/bwd.py
         DQT_SWIZZLE; swizzle_dq: 0), None when the groups are in order."""
+        if self.dq_panels:
+            return None  # their own order (dq_panels)
         return 1 if self.dq_transposed else (0 if self.swizzle_dq else None)
 
     @property

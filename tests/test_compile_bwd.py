@@ -132,6 +132,82 @@ def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tm
     assert ops.get("STS.64", 0) == 0 and ops.get("STS", 0) > 0  # the transposed dQ^T stores
 
 
+@pytest.mark.parametrize("causal,gqa,deterministic", [(False, False, False), (True, True, True)],
+                         ids=str)
+def test_bwd_talt_dqt_panels_compiles(causal, gqa, deterministic, tmp_path, monkeypatch):
+    """cfg.dqt_panels (GPU-checked bitwise, not timed): the talt dQ^T tile in d-major panels
+    leaves by half as many 8-byte stores as the scalar ones before, spill-free; bwd_post's
+    panel read compiles, batched and varlen."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    args = (ARCH, "BFloat16", 128, causal, gqa, deterministic)
+    base = sass_opcodes(backward.bwd_cubin(*args, **backward.BATCHED_TALT), tmp_path)
+    ops = sass_opcodes(backward.bwd_cubin(*args, **backward.BATCHED_TALT, dqt_panels=True),
+                       tmp_path)
+    check_main_sass(ops)
+    assert ops["HGMMA"] == base["HGMMA"]
+    assert ops.get("STS.64", 0) * 2 == base["STS"] and ops["STS"] == ops["STS.64"], ops
+    cfg = backward.bwd_config(128, {**backward.BATCHED_TALT, "dqt_panels": True})
+    assert cfg.dq_panels and cfg.dq_swizzle is None
+    for varlen in (False, True):
+        backward._compile_post(ARCH, "BFloat16", 128, varlen=varlen, tile_m=80, dq_panels=True)
+    assert not backward.bwd_config(128, {"dqt_panels": True}).dq_panels  # 64-row tile
+
+
+@pytest.mark.filterwarnings("ignore:This static loop")
+def test_bwd_post_panel_read_model():
+    """dqt_panels: bwd_post's panel read (transpose_octet), modelled with the kernel's own
+    offset function and transpose layout, returns every (query, column) of an 80-row block
+    from where the main kernel's sdQ layout (CuTe's, evaluated here) put it, and its shared
+    transpose is free of bank conflicts (scalar writes: 32 banks per warp; 16-byte reads: 8
+    distinct 16-byte slots per quarter-warp phase)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from flash_cute.kernels.sm90 import bwd_post
+    from flash_cute.kernels.sm90.bwd_dq import DQT_PANEL_SWIZZLE, dqt_panel_layout
+
+    tm, d, octet, vec, threads = 80, 128, bwd_post.OCTET, bwd_post.VEC, bwd_post.THREADS
+    where = {}
+
+    @cute.jit
+    def probe():
+        layout = cute.make_composed_layout(cute.make_swizzle(*DQT_PANEL_SWIZZLE), 0,
+                                           dqt_panel_layout(tm, d))
+        for q in cutlass.range_constexpr(tm):
+            for col in cutlass.range_constexpr(d):
+                where[q, col] = layout((q, col))
+
+    probe()
+    flat = {o: qc for qc, o in where.items()}
+    assert sorted(flat) == list(range(tm * d))  # a bijection onto the block
+    strides = bwd_post.PANEL_T_LAYOUT[1]
+
+    def t_off(c, q, j):
+        return c * strides[0] + q * strides[1] + j * strides[2]
+
+    for q8 in range(0, tm, octet):
+        sT = {}
+        for t in range(threads):
+            c, j = divmod(t, octet)
+            o = bwd_post.panel_octet_offset(q8, c * octet + j, d)
+            assert o % octet == 0
+            for e in range(octet):
+                sT[t_off(c, e, j)] = flat[o + e]
+        for t in range(threads):
+            c, j = divmod(t, octet)
+            assert [sT[t_off(c, j, e)] for e in range(vec)] == \
+                [(q8 + j, c * vec + e) for e in range(vec)]
+    for w in range(0, threads, 32):
+        lanes = [divmod(t, octet) for t in range(w, w + 32)]
+        for e in range(octet):
+            assert len({t_off(c, e, j) % 32 for c, j in lanes}) == 32
+        for phase in range(0, 32, 8):
+            for half in (0, 4):
+                slots = {(t_off(c, j, half) % 32) // 4 for c, j in lanes[phase:phase + 8]}
+                assert len(slots) == 8 and all(t_off(c, j, 0) % 4 == 0 for c, j in lanes)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_bwd_varlen_early_lse_d_compiles(causal, tmp_path, monkeypatch):
     """Early LSE / D reads in the varlen d=128 kernel: off by default (backward._compile_main),
@@ -271,11 +347,13 @@ def test_bwd_pre_two_passes_at_d128(tmp_path, monkeypatch):
     assert ops.get("LDG", 0) >= 2 * 2 * 4 and ops.get("STG", 0) >= 2 * 8
 
 
-# cfg.tma_epilogue (opt-in): dK / dV staged in sK / sV, then TMA stores (varlen: 16-byte row
-# stores). Columns: dtype, d, causal, gqa, deterministic, varlen, persistent; d=256 is the wide
-# kernel (64-key tiles).
+# cfg.tma_epilogue: dK / dV staged in sK / sV, then TMA stores (varlen: a sequence's full key
+# blocks, 16-byte row stores for its last; persistent varlen: row stores only). Columns:
+# dtype, d, causal, gqa, deterministic, varlen, persistent; d=256 is the wide kernel (64-key
+# tiles).
 TMA_EPI_VARIANTS = [
     ("BFloat16", 128, True, False, False, False, False),
+    ("BFloat16", 128, True, False, False, True, False),
     ("Float16", 64, False, False, True, False, False),
     ("BFloat16", 96, True, False, False, False, True),
     ("BFloat16", 128, False, False, False, True, True),
@@ -288,10 +366,12 @@ def test_bwd_main_tma_epilogue_compiles(dtype, d, causal, gqa, deterministic, va
                                         persistent, tmp_path, monkeypatch):
     """ptxas-clean (no spills, wgmma not serialized), the main loop's HGMMA unchanged, and the
     epilogue through shared memory: one stmatrix per 8 elements of dK and dV per thread, then
-    TMA stores and no global store (varlen: 16-byte stores only, none of 4 bytes)."""
+    TMA stores and no global store (varlen: TMA stores beside 16-byte row stores, none of 4
+    bytes; persistent varlen and cfg.varlen_tma_store off: the row stores alone)."""
     monkeypatch.chdir(tmp_path)
     args = (dtype, d, causal, gqa, deterministic)
-    ptx = backward.bwd_ptx(ARCH, *args, varlen=varlen, persistent=persistent, tma_epilogue=True)
+    ptx = backward.bwd_ptx(ARCH, *args, varlen=varlen, persistent=persistent, tma_epilogue=True,
+                           varlen_tma_store=True)
     check_ptxas(ptx, tmp_path)
     ops = sass_opcodes((tmp_path / "k.o").read_bytes(), tmp_path)  # ptxas's cubin
     check_main_sass(ops)
@@ -301,10 +381,87 @@ def test_bwd_main_tma_epilogue_compiles(dtype, d, causal, gqa, deterministic, va
     tile_elems = BwdSm90Config.for_head_dim(d).tile_n * d  # of dK (and of dV)
     assert ops["STSM"] - default.get("STSM", 0) == 2 * tile_elems // (8 * MMA_THREADS), ops
     if varlen:
-        assert ops.get("UTMASTG", 0) == 0
+        assert (ops.get("UTMASTG", 0) > 0) == (not persistent), ops
         assert ops["STG"] == 2 * tile_elems * 2 // (16 * MMA_THREADS), ops  # 16-byte stores
+        if not persistent:
+            rows_only = sass_opcodes(backward.bwd_cubin(
+                ARCH, *args, varlen=True, tma_epilogue=True, varlen_tma_store=False), tmp_path)
+            assert rows_only.get("UTMASTG", 0) == 0 and rows_only["STG"] == ops["STG"], rows_only
     else:
         assert ops.get("UTMASTG", 0) > 0 and ops.get("STG", 0) == 0, ops
+
+
+# cfg.early_dv / early_dk (GPU-checked bitwise, not timed): (d, causal, overrides, varlen,
+# (STL, LDL) of early_dv alone). The d=64 128-row tile spills a word with early_dv alone
+# (reloaded once per masked key block and in the epilogue); with early_dk too it is clean.
+EARLY_DV_VARIANTS = [(128, True, {}, False, (0, 0)),
+                     (128, False, backward.BATCHED_TALT, False, (0, 0)),
+                     (96, True, {}, False, (0, 0)), (128, True, {}, True, (0, 0)),
+                     (64, False, {**backward.BATCHED_TILE_M128, **backward.BATCHED_D64_STAGGER},
+                      False, (1, 4))]
+
+
+@pytest.mark.parametrize("dk", [False, True], ids=["dv", "dkv"])
+@pytest.mark.parametrize("d,causal,overrides,varlen,spills", EARLY_DV_VARIANTS, ids=str)
+def test_bwd_early_dv_compiles(d, causal, overrides, varlen, spills, dk, tmp_path,
+                               monkeypatch):
+    """cfg.early_dv: each warpgroup's dV rows leave by 16-byte row stores after its own last
+    query block (one per 8 elements of its half), the shared epilogue TMA-stores dK alone (half
+    the UTMASTG; varlen: dK's row stores). cfg.early_dk too: no shared epilogue, dK by row
+    stores from either of two staging places (two copies of the code), no TMA store. The main
+    loop's HGMMA unchanged."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    args = (ARCH, "BFloat16", d, causal)
+    base = sass_opcodes(backward.bwd_cubin(*args, varlen=varlen, **overrides), tmp_path)
+    ops = sass_opcodes(backward.bwd_cubin(*args, varlen=varlen, early_dv=True, early_dk=dk,
+                                          **overrides), tmp_path)
+    check_main_sass(ops, (0, 0) if dk else spills)
+    assert ops["HGMMA"] == base["HGMMA"], (ops, base)
+    half = BwdSm90Config.for_head_dim(d).tile_n * d // 2 // (8 * WG_THREADS)  # per thread
+    if dk:  # dV once, dK twice (sdS or sK); varlen had row stores for both already
+        assert ops.get("UTMASTG", 0) == 0, ops
+        assert ops.get("STG", 0) == base.get("STG", 0) + (half if varlen else 3 * half), ops
+    else:
+        assert ops["STSM"] == base["STSM"], (ops, base)
+        assert ops.get("STG", 0) == base.get("STG", 0) + (0 if varlen else half), ops
+        assert ops.get("UTMASTG", 0) * 2 == base.get("UTMASTG", 0), ops
+
+
+@pytest.mark.parametrize("d,causal,overrides", [v[:3] for v in EARLY_DV_VARIANTS
+                                                 if not v[3] and v[0] % 64 == 0], ids=str)
+def test_bwd_early_tma_compiles(d, causal, overrides, tmp_path, monkeypatch):
+    """cfg.early_tma: each warpgroup's staged dK / dV rows leave by TMA stores of 64-column
+    boxes (dV once, dK in two copies for its two staging places), no global store, spill-free;
+    d=96 (not whole boxes) and varlen keep early_dk's row stores."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    flags = dict(early_dv=True, early_dk=True)
+    args = (ARCH, "BFloat16", d, causal)
+    ops = sass_opcodes(backward.bwd_cubin(*args, early_tma=True, **flags, **overrides),
+                       tmp_path)
+    check_main_sass(ops)
+    assert ops.get("UTMASTG", 0) == 3 * d // 64 and ops.get("STG", 0) == 0, ops
+    if d == 128 and causal:
+        for other in ((ARCH, "BFloat16", 96, True), args):
+            kw = {} if other[2] == 96 else {"varlen": True}
+            assert backward.bwd_ptx(*other, early_tma=True, **flags, **kw) == \
+                backward.bwd_ptx(*other, **flags, **kw)
+
+
+def test_bwd_early_dv_wide_unchanged(tmp_path, monkeypatch):
+    """The wide kernel's warpgroups both read every row of sV: cfg.early_dv / early_dk leave
+    it as is; so does early_dk the persistent kernel (sdS and sK reused by the next tile)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    wide = (ARCH, "BFloat16", 256, True)
+    assert backward.bwd_ptx(*wide, early_dv=True, early_dk=True) == backward.bwd_ptx(*wide)
+    # The persistent kernel stages dK / dV only with tma_epilogue (off there by default).
+    pers = dict(persistent=True, tma_epilogue=True)
+    args = (ARCH, "BFloat16", 128, True)
+    dv = backward.bwd_ptx(*args, early_dv=True, **pers)
+    assert dv != backward.bwd_ptx(*args, **pers)
+    assert backward.bwd_ptx(*args, early_dv=True, early_dk=True, **pers) == dv
 
 
 def test_bwd_tma_epilogue_default_and_gqa_unchanged(tmp_path, monkeypatch):

@@ -488,9 +488,22 @@ def test_grads_deterministic(d, causal, hk):
     check_grads_close(runs[0], [ref[i] for i in range(3)], [low[i] for i in range(3)])
 
 
+def config_grads(spec, monkeypatch, q, k, v, dout, causal, varlen=None, **used):
+    """Deterministic (dq, dk, dv) under FLASH_CUTE_BWD_CONFIG=spec, on poisoned output
+    memory; ``varlen``: (cu_q, cu_k, max_q, max_k) of packed q / k / v."""
+    monkeypatch.setenv(backward.CONFIG_ENV, spec)
+    if varlen is not None:
+        return varlen_grads(q, k, v, *varlen, dout, causal=causal, deterministic=True,
+                            **used)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    _poison_allocator()
+    out = flash_attn_func(*leaves, causal=causal, deterministic=True)
+    return torch.autograd.grad(out, leaves, dout)
+
+
 @pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
 @pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0", "p16_view=0",
-                                  "swizzle_dq=0"])
+                                  "swizzle_dq=0", "early_dv=1", "early_dv=1,early_dk=1"])
 @pytest.mark.parametrize("d,causal,hk,varlen", [(64, False, 4, False), (128, True, 2, False),
                                                 (128, False, 4, False), (96, False, 1, True),
                                                 (128, True, 4, True), (256, True, 2, False)])
@@ -498,7 +511,8 @@ def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
     """Backward configs that move loads or index math and no arithmetic (BwdSm90Config
     .lean_prologue off, the order before session 16; v_with_do off, before session 14;
     p16_view off, before session 17: the same products from registers read differently;
-    swizzle_dq off, padded dQ rows, which short batched calls gave up in session 25):
+    swizzle_dq off, padded dQ rows, which short batched calls gave up in session 25; early_dv
+    on, dV stored per warpgroup, not yet shipped; with GQA it changes nothing):
     deterministic gradients bitwise equal to the shipped config's, batched (d=128
     non-causal: the 80-row "talt" tile) and varlen. Since ds_before_dv (session 28) the batched
     d=64 tile no longer reads the packed P^T for dS^T, so its p16_view=0 case compares one
@@ -524,6 +538,38 @@ def test_bwd_load_configs_are_bitwise(spec, d, causal, hk, varlen, monkeypatch):
     shipped = grads()
     monkeypatch.setenv(backward.CONFIG_ENV, spec)
     for name, a, b in zip(("dq", "dk", "dv"), shipped, grads()):
+        assert torch.equal(a, b), f"{spec}: {name} differs from the shipped config's"
+
+
+@pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
+@pytest.mark.parametrize("d,causal,sq,sk,varlen", [(128, True, 700, 1090, False),
+                                                   (96, False, 333, 900, False),
+                                                   (64, True, 300, 194, False),
+                                                   (128, False, 1100, 1250, False),
+                                                   (128, True, 0, 0, True)])
+@pytest.mark.parametrize("spec", ["early_dv=1", "early_dv=1,early_dk=1",
+                                  "early_dv=1,early_dk=1,early_tma=1"])
+def test_early_dv_bitwise(d, causal, sq, sk, varlen, spec, monkeypatch):
+    """BwdSm90Config.early_dv / early_dk / early_tma only move where and how dV / dK are
+    stored (each warpgroup's rows right after its own last query block, dK through sK or a
+    free sdS buffer, by row stores or TMA boxes):
+    deterministic gradients bitwise equal to the shipped config's,
+    without GQA (whose fp32 dK / dV keep their own epilogue), key lengths ending inside the
+    first or the second warpgroup's half of the last key block (1090: 66 of 128 keys; 900: 4;
+    194: 66; 1250 (the 80-row tile): 98), varlen with seqused_k ending mid-block and empty
+    sequences; poisoned outputs show rows it failed to write."""
+    kw, packed = {}, None
+    if varlen:
+        lens_q, lens_k = [300, 0, 1, 130, 65], [250, 70, 1, 0, 200]
+        q, k, v, *packed = _varlen_inputs(lens_q, lens_k, 2, 2, d, seed=5)
+        kw = {"seqused_k": torch.tensor([200, 66, 1, 0, 129], dtype=torch.int32,
+                                        device=DEVICE)}
+    else:
+        q, k, v = qkv_inputs(2, sq, sk, 2, 2, d, seed=d + sq)
+    dout = rand(*q.shape, seed=6)
+    args = (monkeypatch, q, k, v, dout, causal, packed)
+    for name, a, b in zip(("dq", "dk", "dv"), config_grads("", *args, **kw),
+                          config_grads(spec, *args, **kw)):
         assert torch.equal(a, b), f"{spec}: {name} differs from the shipped config's"
 
 
@@ -909,10 +955,56 @@ def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, sequ
     check_grads_close(got, [ref[i] for i in range(3)], [low[i] for i in range(3)])
 
 
+@pytest.mark.skipif(_ON_CPU, reason="compares two kernel configs")
+@pytest.mark.parametrize("causal,hk,varlen,used", [(False, 4, False, False),
+                                                  (True, 2, False, False),
+                                                  (True, 4, True, False), (False, 2, True, True)])
+def test_talt_dqt_panels_bitwise(causal, hk, varlen, used, monkeypatch):
+    """BwdSm90Config.dqt_panels moves the 80-row tile's dQ^T through sdQ / dQaccum in
+    d-major panels (bwd_post reads them back): the same sums in the same order, so the
+    deterministic gradients are bitwise those of the talt tile without it (varlen also with
+    seqused_q below the lengths: rows past it come out 0 through the panel read)."""
+    talt = "tile_m=80,dq_split=talt"
+    lens = [1100, 0, 1, 333, 65]
+    kw = {}
+    if used:
+        kw = {n: torch.tensor(u, dtype=torch.int32, device=DEVICE) for n, u in
+              (("seqused_q", [1000, 0, 1, 170, 64]), ("seqused_k", [65, 333, 1, 0, 900]))}
+    packed = None
+    if varlen:
+        q, k, v, *packed = _varlen_inputs(lens, lens[::-1], 4, hk, 128, seed=9)
+    else:
+        q, k, v = qkv_inputs(2, 1100, 1250, 4, hk, 128, seed=9)
+    dout = rand(*q.shape, seed=10)
+    args = (monkeypatch, q, k, v, dout, causal, packed)
+    for name, a, b in zip(("dq", "dk", "dv"), config_grads(talt, *args, **kw),
+                          config_grads(talt + ",dqt_panels=1", *args, **kw)):
+        assert torch.equal(a, b), f"dqt_panels: {name} differs from the talt tile's"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_varlen_grads(d, causal):
     check_varlen_grads([0, 1, 200, 77, 129], [5, 1, 300, 0, 64], 4, 2, d, causal=causal)
+
+
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in oracle would read the NaN rows")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("tma", [0, 1], ids=["rows", "tma"])
+def test_varlen_grads_full_key_blocks(d, causal, tma, monkeypatch):
+    """Without GQA dK / dV leave in the input dtype through sK / sV: with
+    BwdSm90Config.varlen_tma_store a sequence's full key blocks by TMA store, its partial last
+    block by row stores (without it, every block by row stores). Lengths at and around the
+    64- and 128-key blocks; NaN past seqused, where a sequence's used keys end inside a block
+    a TMA box would have stored whole (192 of 256) or on a block edge inside a longer
+    sequence (128 of 200)."""
+    lens_q, lens_k = [128, 64, 300, 1, 256, 200], [128, 64, 257, 129, 256, 200]
+    used_q, used_k = [128, 64, 300, 1, 200, 200], [128, 64, 257, 129, 192, 128]
+    monkeypatch.setenv(backward.CONFIG_ENV, f"varlen_tma_store={tma}")
+    check_varlen_grads(lens_q, lens_k, 2, 2, d, causal=causal, nan_unused=True,
+                       seqused_q=torch.tensor(used_q, dtype=torch.int32, device=DEVICE),
+                       seqused_k=torch.tensor(used_k, dtype=torch.int32, device=DEVICE))
 
 
 def test_varlen_grads_seqused():

@@ -17,6 +17,12 @@ that. Per query block m (owner = m % 2, the warpgroup with the dQ turn):
 Checked: no deadlock, every barrier phase is completed by the arrivals of one block, and no
 write to an sdS buffer or to sdQ overlaps a read of the previous contents. With one id per
 barrier (no parity) the model finds a violation, so it does test something.
+
+cfg.early_dk (one tile per CTA): after its last block a warpgroup stages its dK at once, the
+one with the last block's turn ((m_end - 1) % 2) in its own rows of sK, the other in
+sdS[m_end % 2]. Checked too: no dQ wgmma (it reads all of sK) is running or still to come
+when sK is written, and sdS[m_end % 2] is neither read nor written by a block after the
+staging began (staging in the other buffer instead is caught).
 """
 import random
 
@@ -49,11 +55,29 @@ class Barriers:
         return self.phase.get(bar, 0)
 
 
-def run(m_begin, m_end, rng, parity=True):
+def run(m_begin, m_end, rng, parity=True, lead_buffer=None):
+    """``lead_buffer``: where the leading warpgroup stages its dK (cfg.early_dk: m_end % 2)."""
     bars = Barriers({"DS": DS_THREADS, "EMPTY": HAND_OFF, "FULL": HAND_OFF})
     bar_id = (lambda name, m: (name, m % 2)) if parity else (lambda name, m: (name, 0))
     sds_readers = {0: None, 1: None}  # buffer -> block whose dQ may still read it
     sdq = {"reader": None}            # block whose bulk reduce may still read sdQ
+    staged = set()                    # "sK" / an sdS buffer: holds a staged dK from then on
+    turns_left = {w: sum(1 for m in range(m_begin, m_end) if m % 2 == w) for w in (0, 1)}
+
+    def stage_dk(w):
+        """cfg.early_dk, warpgroup w after its last block."""
+        if lead_buffer is None:
+            return
+        if w == (m_end - 1) % 2:  # the last turn's warpgroup: its own rows of sK
+            if any(r is not None for r in sds_readers.values()) or any(turns_left.values()):
+                raise Violation(f"wg{w} stages dK in sK while a dQ wgmma reads it or will")
+            staged.add("sK")
+        else:
+            buf = lead_buffer
+            if sds_readers[buf] is not None:
+                raise Violation(f"wg{w} stages dK in sdS[{buf}] while block "
+                                f"{sds_readers[buf]}'s dQ may read it")
+            staged.add(buf)
 
     def wait(bar, target):
         while bars.phase.get(bar, 0) < target:
@@ -71,9 +95,14 @@ def run(m_begin, m_end, rng, parity=True):
             if sds_readers[m % 2] is not None:
                 raise Violation(f"wg{w} writes sdS[{m % 2}] for block {m} while block "
                                 f"{sds_readers[m % 2]}'s dQ may read it")
+            if m % 2 in staged:
+                raise Violation(f"wg{w} writes sdS[{m % 2}] for block {m} over a staged dK")
             yield
             if m % 2 == w:
                 yield from sync(bar_id("DS", m), WG, m)
+                if m % 2 in staged or "sK" in staged:
+                    raise Violation(f"block {m}'s dQ reads sdS[{m % 2}] / sK over a staged dK")
+                turns_left[w] -= 1
                 sds_readers[m % 2] = m
                 yield from sync(bar_id("EMPTY", m), WG, m)
                 if sdq["reader"] is not None:
@@ -85,6 +114,8 @@ def run(m_begin, m_end, rng, parity=True):
                 sds_readers[m % 2] = None  # the block's wgmma waited on: dQ reads are done
             else:
                 bars.add(bar_id("DS", m), WG, m)
+        yield
+        stage_dk(w)
 
     def dq_warp():
         if m_begin < m_end:
@@ -118,6 +149,26 @@ def test_staggered_protocol_random_interleavings(seed):
     rng = random.Random(seed)
     m_begin = rng.randrange(0, 4)
     run(m_begin, m_begin + rng.randrange(0, 9), rng)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_early_dk_staging_random_interleavings(seed):
+    rng = random.Random(seed)
+    m_begin = rng.randrange(0, 4)
+    m_end = m_begin + rng.randrange(0, 9)
+    run(m_begin, m_end, rng, lead_buffer=m_end % 2)
+
+
+def test_early_dk_other_buffer_fails():
+    """Staging the leading warpgroup's dK in the sdS buffer of the last block is caught."""
+    found = 0
+    for seed in range(300):
+        rng = random.Random(seed)
+        try:
+            run(0, 6, rng, lead_buffer=(6 - 1) % 2)
+        except Violation:
+            found += 1
+    assert found > 0
 
 
 def test_single_barrier_ids_fail():

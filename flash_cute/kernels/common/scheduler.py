@@ -57,7 +57,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, pipeline
+from cutlass import Int32, const_expr, pipeline
 
 
 def num_tiles(num_blocks, num_hb):
@@ -110,19 +110,33 @@ def varlen_num_tiles(total_rows, num_batch, tile_rows: int, nheads):
 @cute.jit
 def varlen_tile_coords(tile: Int32, mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tensor,
                        tile_rows: cutlass.Constexpr[int], nheads: Int32, section: Int32,
-                       reverse_blocks: cutlass.Constexpr[bool]):
+                       reverse_blocks: cutlass.Constexpr[bool],
+                       lens: cutlass.Constexpr[bool] = False, mCuOther=None, mUsedOther=None):
     """(block, head, batch) of varlen tile number ``tile`` (the module docstring's order); batch
     = num_batch when ``tile`` is past the last one. Warp-collective: every lane of the warp must
-    call it with the same ``tile``. A sequence counts min(cu[b+1] - cu[b], seqused[b]) rows."""
+    call it with the same ``tile``. A sequence counts min(cu[b+1] - cu[b], seqused[b]) rows.
+
+    ``lens``: also (offset, rows, offset_other, rows_other) of the tile's sequence, as the
+    scan read them (all 0 past the last tile), so the caller needs no second, dependent round
+    of loads; the other side's (e.g. the queries of a key-block tile) from ``mCuOther`` /
+    ``mUsedOther``, loaded in the scan's own round (0 without them)."""
     lane = cute.arch.lane_idx()
     num_batch = mCuSeqlens.shape[0] - 1
     batch, in_seq, num_blocks = num_batch, Int32(0), Int32(1)
     group, before = Int32(0), Int32(0)  # first sequence of this step; tiles before it
+    # The tile's sequence's offset and rows, both sides (``lens``; scalars, not a list: the
+    # DSL carries names through its loops and branches).
+    f_off, f_rows, f_off_o, f_rows_o = Int32(0), Int32(0), Int32(0), Int32(0)
     while group < num_batch:
         b = group + lane
         count = Int32(0)
+        off, rows, off_o, rows_o = Int32(0), Int32(0), Int32(0), Int32(0)
         if b < num_batch:
-            rows = cutlass.min(mCuSeqlens[b + 1] - mCuSeqlens[b], mSeqUsed[b])
+            off = mCuSeqlens[b]
+            rows = cutlass.min(mCuSeqlens[b + 1] - off, mSeqUsed[b])
+            if const_expr(mCuOther is not None):
+                off_o = mCuOther[b]
+                rows_o = cutlass.min(mCuOther[b + 1] - off_o, mUsedOther[b])
             count = (rows + tile_rows - 1) // tile_rows * nheads
         upto = count  # inclusive prefix sum over the lanes (Hillis-Steele)
         for i in cutlass.range_constexpr(5):
@@ -136,13 +150,21 @@ def varlen_tile_coords(tile: Int32, mCuSeqlens: cute.Tensor, mSeqUsed: cute.Tens
             batch = group + hit
             in_seq = tile - before - cute.arch.shuffle_sync(upto - count, hit)
             num_blocks = cute.arch.shuffle_sync(count, hit) // nheads
+            if const_expr(lens):
+                f_off = cute.arch.shuffle_sync(off, hit)
+                f_rows = cute.arch.shuffle_sync(rows, hit)
+                if const_expr(mCuOther is not None):
+                    f_off_o = cute.arch.shuffle_sync(off_o, hit)
+                    f_rows_o = cute.arch.shuffle_sync(rows_o, hit)
             group = num_batch
         else:
             before += cute.arch.shuffle_sync(upto, 31)
             group += 32
     block, head, _ = tile_coords(in_seq, num_blocks, nheads, nheads, section, None,
                                  reverse_blocks)
-    return block, head, batch
+    if const_expr(not lens):
+        return block, head, batch
+    return block, head, batch, (f_off, f_rows, f_off_o, f_rows_o)
 
 
 @cute.jit

@@ -53,6 +53,16 @@ class SeqlenInfo:
             offset_q_pad = pad_offset(offset_q, batch, pad_tile_m)
         return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k, True, offset_q_pad)
 
+    @staticmethod
+    def from_lengths(batch: Int32, offset_q: Int32, seqlen_q: Int32, offset_k: Int32,
+                     seqlen_k: Int32, pad_tile_m=None):
+        """Varlen, from values already read (scheduler.varlen_tile_coords with the other
+        side's lengths): no loads here."""
+        offset_q_pad = Int32(0)
+        if const_expr(pad_tile_m is not None):
+            offset_q_pad = pad_offset(offset_q, batch, pad_tile_m)
+        return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k, True, offset_q_pad)
+
     def rows(self, t: cute.Tensor, offset, head: Int32, batch: Int32) -> cute.Tensor:
         """The (rows, ...) view of one head of one sequence; rows from the sequence start."""
         if const_expr(not self.varlen):

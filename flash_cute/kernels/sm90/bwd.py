@@ -49,7 +49,7 @@ empty barrier: one arrive per consumer warp, 8):
              reader of sK; sV's last is that block's dP^T) they have waited on, so the next
              tile's K/V load runs under this tile's epilogue (registers -> global, no smem).
              cfg.tma_epilogue (dK / dV staged in sK / sV): the storing warp alone releases
-             it, once its TMA stores have read them (varlen: the 8 warps, after their stores).
+             it, once its TMA stores have read them (persistent varlen: row stores, the 8 warps).
     pipe_q   load -> 8 mma warps, `stages` stages: Q tile + LSE_log2 tile on one barrier.
     pipe_do  load -> 8 mma warps, `stages` stages: dO tile + D tile on one barrier.
     pipe_q and pipe_do advance in lockstep, so one PipelineState (index, phase) per side serves
@@ -107,10 +107,10 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, pdl
-from .bwd_dq import DqTile
+from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
                         LoadOperands, PersistentTiles)
-from .epilogue import store_acc_rows, store_staged
+from .epilogue import TMA_BOX_COLS, store_acc_rows, store_own_rows, store_staged
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
 
@@ -182,6 +182,34 @@ class FlashBwdSm90(DqTile):
         outputs (twice sK / sV's bytes) keep the register stores."""
         return self.cfg.tma_epilogue and self.dkv_dtype == self.dtype
 
+    @property
+    def tma_dkv(self) -> bool:
+        """The staged dK / dV leave by TMA (varlen: a sequence's full key blocks, with
+        cfg.varlen_tma_store). Not the persistent varlen kernel: its row stores release K/V
+        from every mma warp."""
+        return self.staged_dkv and not (self.varlen and (self.persistent or
+                                                         not self.cfg.varlen_tma_store))
+
+    @property
+    def early_dv(self) -> bool:
+        """cfg.early_dv where it applies: the staged epilogue of the narrow kernel (the wide
+        kernel's warpgroups both read every row of sV)."""
+        return self.cfg.early_dv and self.staged_dkv and not self.cfg.wide
+
+    @property
+    def early_dk(self) -> bool:
+        """cfg.early_dk where it applies: early_dv, dQ in turns (the turn of the last block
+        tells which warpgroup finishes last), one tile per CTA (sdS and sK are not reused)."""
+        return (self.cfg.early_dk and self.early_dv and self.cfg.dq_turns
+                and not self.persistent)
+
+    @property
+    def early_tma(self) -> bool:
+        """cfg.early_tma where it applies: early_dk, batched (a box would also write the next
+        sequence's rows), whole TMA_BOX_COLS-column boxes."""
+        return (self.cfg.early_tma and self.early_dk and not self.varlen
+                and self.d % TMA_BOX_COLS == 0)
+
     # ------------------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -225,6 +253,8 @@ class FlashBwdSm90(DqTile):
         sdq_cols = self.cfg.sdq_cols
         sdQ_layout = cute.make_layout((tm, sdq_cols),
                                       stride=(sdq_cols + self.cfg.dq_row_pad, 1))
+        if const_expr(self.cfg.dq_panels):  # d-major 16-query panels
+            sdQ_layout = dqt_panel_layout(tm, sdq_cols)
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, cute.select(sQ_layout, mode=[0, 1]), (tm, d))
         tma_do, tma_mdO = cpasync.make_tiled_tma_atom(
@@ -238,12 +268,28 @@ class FlashBwdSm90(DqTile):
             cpasync.CopyBulkTensorTileG2SOp(), mLSE, cute.make_layout(tm), (tm,))
         tma_d, tma_mD = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mD, cute.make_layout(tm), (tm,))
-        tma_dk = tma_dv = None  # staged epilogue, batched: TMA stores of dK / dV from sK / sV
-        if const_expr(self.staged_dkv and not self.varlen):
-            tma_dk, mdK = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
-            tma_dv, mdV = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
+        # Staged epilogue: TMA stores of dK / dV from sK / sV (early_dv / early_dk: row stores
+        # instead). Batched, the TMA views replace mdK / mdV; varlen keeps both (a sequence's
+        # last key block takes row stores).
+        tma_dk = tma_dv = tma_mdK = tma_mdV = None
+        if const_expr(self.tma_dkv):
+            if const_expr(not self.early_dk):
+                tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_layout, (tn, d))
+            if const_expr(not self.early_dv):  # else dV leaves by row stores
+                tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), mdV, sV_layout, (tn, d))
+            if const_expr(self.early_tma):  # a warpgroup's rows, 64 columns per store
+                box = make_smem_layout(dt, (KEYS_PER_WG, TMA_BOX_COLS))
+                tma_dk, tma_mdK = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), mdK, box, (KEYS_PER_WG, TMA_BOX_COLS))
+                tma_dv, tma_mdV = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileS2GOp(), mdV, box, (KEYS_PER_WG, TMA_BOX_COLS))
+            if const_expr(not self.varlen):  # batched: the TMA views replace the tensors
+                if const_expr(tma_mdK is not None):
+                    mdK, tma_mdK = tma_mdK, None
+                if const_expr(tma_mdV is not None):
+                    mdV, tma_mdV = tma_mdV, None
         q_bytes = cute.size_in_bytes(dt, cute.select(sQ_layout, mode=[0, 1]))
         self.q_stage_bytes = q_bytes + tm * 4        # Q (or dO) tile + LSE (or D) row
         self.v_bytes = cute.size_in_bytes(dt, sV_layout)
@@ -269,7 +315,8 @@ class FlashBwdSm90(DqTile):
 
         self.shared_storage = SharedStorage
         sections = (heads_per_section, tail_section)
-        count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, *sections)[1]
+        count = self.tile_order(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                                *sections)[1]
         grid = (count, 1, 1)
         if const_expr(self.persistent):
             grid = scheduler.persistent_grid(count, num_sms)
@@ -277,7 +324,7 @@ class FlashBwdSm90(DqTile):
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                    mSeqUsedK, *sections, tma_dk, tma_dv).launch(
+                    mSeqUsedK, *sections, tma_dk, tma_dv, tma_mdK, tma_mdV).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -348,7 +395,8 @@ class FlashBwdSm90(DqTile):
                mma_dq: cute.TiledMma, mCuSeqlensQ: Optional[cute.Tensor],
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], section: Int32, tail_section: Optional[Int32],
-               tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom]):
+               tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom],
+               tma_mdK: Optional[cute.Tensor], tma_mdV: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv):
@@ -375,10 +423,19 @@ class FlashBwdSm90(DqTile):
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sLSE_layout)
         sD = storage.sD.get_tensor(sLSE_layout)
-        if const_expr(self.cfg.dq_swizzle is not None):
+        if const_expr(self.cfg.dq_swizzle is not None or self.cfg.dq_panels):
             sdQ_layout = cute.make_composed_layout(cute.make_swizzle(*self.sdq_swizzle()), 0,
                                                    sdQ_layout)
         sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sdK_lead = None
+        if const_expr(self.early_dk):
+            # A dK staging view whose warpgroup-w rows lie in sdS buffer w (cfg.early_dk).
+            dk_layout = make_smem_layout(self.dtype, (KEYS_PER_WG, self.d))
+            if const_expr(cute.cosize(dk_layout.outer) * 2 > cute.cosize(sdS_layout.outer)):
+                raise ValueError("early_dk: a warpgroup's dK rows exceed an sdS buffer")
+            sdK_lead = storage.sdS.get_tensor(cute.group_modes(cute.select(cute.append(
+                dk_layout.outer, cute.make_layout(NUM_MMA_WG, stride=cute.cosize(
+                    sdS_layout.outer) // 2)), mode=[0, 2, 1]), 0, 2), swizzle=dk_layout.inner)
 
         if const_expr(not self.lean_prologue):
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
@@ -399,18 +456,20 @@ class FlashBwdSm90(DqTile):
                     self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
-                self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv), sQ, sK, sV,
+                self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv, tma_mdK,
+                                                            tma_mdV), sQ, sK, sV,
                          sdO, sdS, sLSE, sD, sdQ, pipe_kv, pipe_q, pipe_do, scale_log2,
-                         dk_scale, tiles, mSem if const_expr(self.cfg.timeline) else None)
+                         dk_scale, tiles, mSem if const_expr(self.cfg.timeline) else None,
+                         sdK_lead)
         else:
             pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
 
     def cta_tiles(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, section,
                   tail_section):
         """(this CTA's tiles, whether it runs): its one KeyTile, or the persistent walk."""
-        tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
-                          mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
-        coords, count = self.tile_order(mQ, mK, mCuSeqlensK, mSeqUsedK, section, tail_section)
+        tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensK=mCuSeqlensK)
+        coords, count = self.tile_order(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+                                        section, tail_section)
         if const_expr(self.persistent):
             # Every role walks the same tiles (each_tile) and skips the same empty ones.
             return PersistentTiles(tile_at, coords, count), True
@@ -420,14 +479,17 @@ class FlashBwdSm90(DqTile):
         tile = tile_at(*coords(cute.arch.block_idx()[0]))
         return tile, tile.has_keys
 
-    def tile_order(self, mQ, mK, mCuSeqlensK, mSeqUsedK, section, tail_section):
-        """(tile number -> (n_block, head, batch), tile count; varlen: a bound). Key blocks
+    def tile_order(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, section,
+                   tail_section):
+        """(tile number -> (n_block, head, batch[, lens]), tile count; varlen: a bound). Key blocks
         ascending: the longest first (causal) and n after n-1 (deterministic)."""
         nheads = mQ.shape[2]
         if const_expr(self.varlen):
+            # The queries' offset and length come out of the same scan (key_tile's ``lens``).
             return (partial(scheduler.varlen_tile_coords, mCuSeqlens=mCuSeqlensK,
                             mSeqUsed=mSeqUsedK, tile_rows=self.tile_n, nheads=nheads,
-                            section=section, reverse_blocks=False),
+                            section=section, reverse_blocks=False, lens=True,
+                            mCuOther=mCuSeqlensQ, mUsedOther=mSeqUsedQ),
                     scheduler.varlen_num_tiles(mK.shape[0], mCuSeqlensK.shape[0] - 1,
                                                self.tile_n, nheads))
         num_blocks, num_hb = cute.ceil_div(mK.shape[0], self.tile_n), nheads * mQ.shape[3]
@@ -437,16 +499,20 @@ class FlashBwdSm90(DqTile):
                 scheduler.num_tiles(num_blocks, num_hb))
 
     @cute.jit
-    def key_tile(self, n_block: Int32, head: Int32, batch: Int32, mQ: cute.Tensor,
-                 mK: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
-                 mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-                 mSeqUsedK: Optional[cute.Tensor]) -> KeyTile:
+    def key_tile(self, n_block: Int32, head: Int32, batch: Int32, lens=None,
+                 mQ: cute.Tensor = None, mK: cute.Tensor = None,
+                 mCuSeqlensK: Optional[cute.Tensor] = None) -> KeyTile:
+        """``lens`` (varlen): (offset_k, seqlen_k, offset_q, seqlen_q) of the tile's sequence
+        as the scan read them (all 0 past the last tile)."""
         has_keys = True
         if const_expr(self.varlen):  # past the last tile: no sequence (reads kept in bounds)
             has_keys = batch < mCuSeqlensK.shape[0] - 1
             batch = cutlass.min(batch, mCuSeqlensK.shape[0] - 2)
-        seq = SeqlenInfo.create(batch, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                                pad_tile_m=self.tile_m)
+            offset_k, seqlen_k, offset_q, seqlen_q = lens
+            seq = SeqlenInfo.from_lengths(batch, offset_q, seqlen_q, offset_k, seqlen_k,
+                                          pad_tile_m=self.tile_m)
+        else:
+            seq = SeqlenInfo.create(batch, mQ, mK, pad_tile_m=self.tile_m)
         m_begin = Int32(0)
         if const_expr(self.causal):
             m_begin = block_info.m_block_min_causal(n_block, self.tile_m, self.tile_n,
@@ -564,9 +630,10 @@ class FlashBwdSm90(DqTile):
             dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
             sdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
             pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles,
-            trace: Optional[cute.Tensor]):
+            trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor] = None):
         """MMA warpgroups: per tile, the loop over query blocks, then the dK / dV epilogue.
-        ``trace``: cfg.timeline's stamps go there (the semaphore buffer), else None."""
+        ``trace``: cfg.timeline's stamps go there (the semaphore buffer), else None;
+        ``sdK_lead``: cfg.early_dk's staging view over the sdS buffers."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -657,7 +724,7 @@ class FlashBwdSm90(DqTile):
                  rP)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg,
-                       trace)
+                       trace, sdK_lead)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         self.each_tile(tiles, body, (kv, st))
@@ -667,7 +734,8 @@ class FlashBwdSm90(DqTile):
                  frags, dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv, pipe_q, pipe_do,
                  scale_log2: Float32, dk_scale: Float32, tidx: Int32, wg: Int32,
-                 trace: Optional[cute.Tensor], tile: KeyTile, states):
+                 trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor], tile: KeyTile,
+                 states):
         """One tile: zero dK / dV, the query blocks, the epilogue; returns the advanced
         (kv, q/dO) consumer states."""
         tm, tn = self.tile_m, self.tile_n
@@ -713,8 +781,35 @@ class FlashBwdSm90(DqTile):
         kv.advance()
         if const_expr(self.remat_tid):
             tidx = opaque_thread_idx() - WG_THREADS
-        self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
-                      tile_kv)
+        if const_expr(self.early_dv):
+            # This warpgroup's last dP^T, the only reader of its rows of sV, has completed.
+            gdV = cute.local_tile(seq.k_rows(dkv.mdV, tile.head, tile.batch), (tn, self.d),
+                                  (n_block, 0))
+            store_own_rows(mma_dkv, tdVrdV, sV, gdV, tidx, wg, KEYS_PER_WG, WG_THREADS,
+                           Int32(int(Barrier.DV_STAGED)) + wg,
+                           seqlen_k - n_block * tn - wg * KEYS_PER_WG,
+                           dkv.tma_dv if const_expr(self.early_tma) else None)
+        if const_expr(self.early_dk):
+            # The warpgroup with the last block's dQ turn (m_end - 1) finishes last: then no
+            # wgmma reads sK, and its dK goes to its own rows there. The other's own last turn
+            # (block m_end - 2, waited on) was the last reader of sdS buffer m_end % 2, where
+            # its dK goes (sdK_lead's rows of warpgroup w lie in buffer w).
+            tdKrdK.store(tdKrdK.load() * dk_scale)
+            gdK = cute.local_tile(seq.k_rows(dkv.mdK, tile.head, tile.batch), (tn, self.d),
+                                  (n_block, 0))
+            own = (tidx, wg, KEYS_PER_WG, WG_THREADS, Int32(int(Barrier.DV_STAGED)) + wg,
+                   seqlen_k - n_block * tn - wg * KEYS_PER_WG,
+                   dkv.tma_dk if const_expr(self.early_tma) else None)
+            if wg == m_end % NUM_MMA_WG:
+                store_own_rows(mma_dkv, tdKrdK, sdK_lead, gdK, *own)
+            else:
+                store_own_rows(mma_dkv, tdKrdK, sK, gdK, *own)
+            if const_expr(self.early_tma):
+                if cute.arch.make_warp_uniform(tidx // 32) % (WG_THREADS // 32) == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # before the CTA exits
+        else:
+            self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
+                          tile_kv)
         self.stamp(trace, tidx, {"epilogue_done": None})
         return kv, st
 
@@ -918,16 +1013,21 @@ class FlashBwdSm90(DqTile):
         if const_expr(self.staged_dkv):
             gdK, gdV = [cute.local_tile(seq.k_rows(t, tile.head, tile.batch), (tn, d),
                                         (n_block, 0)) for t in (dkv.mdK, dkv.mdV)]
+            n = 1 if const_expr(self.early_dv) else 2  # early_dv: dV has left (mma_tile)
+            tma_g = None  # varlen: the TMA views for the sequence's full key blocks
+            if const_expr(self.varlen and self.tma_dkv):
+                tma_g = [cute.local_tile(seq.k_rows(t, tile.head, tile.batch), (tn, d),
+                                         (n_block, 0)) for t in (dkv.tma_mdK, dkv.tma_mdV)[:n]]
             # sK / sV are free once no wgmma reads them: each warpgroup waited for its last
             # (dQ reads all of sK) in its last m_step, and KV_FREE gathers both. Persistent:
             # the next tile's K / V load waits for this release.
-            store_staged(mma_dkv, (tdKrdK, tdVrdV), (sK, sV), (gdK, gdV), tidx,
+            store_staged(mma_dkv, (tdKrdK, tdVrdV)[:n], (sK, sV)[:n], (gdK, gdV)[:n], tidx,
                          NUM_MMA_WG * WG_THREADS, int(Barrier.KV_FREE),
                          int(Barrier.DKV_STAGED), STORE_WARP,
-                         None if const_expr(self.varlen) else (dkv.tma_dk, dkv.tma_dv),
+                         (dkv.tma_dk, dkv.tma_dv)[:n] if const_expr(self.tma_dkv) else None,
                          seq.seqlen_k - n_block * tn,
                          partial(pipe_kv.consumer_release, kv) if const_expr(self.persistent)
-                         else None)
+                         else None, tma_g)
         else:  # its own gdK / gdV, in the measured order (shared, d=256's PTX changed)
             cKV = cute.make_identity_tensor((tn, d))
             tdKVcKV = acc_as_mn(mma_dkv.get_slice(tidx).partition_C(cKV))

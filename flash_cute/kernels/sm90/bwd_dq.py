@@ -24,6 +24,18 @@ DK_IN_FLIGHT = 1     # cfg.dq_first: wgmma groups left running (dK) when the dQ 
 # dQaccum holds the same order (the bulk reduce copies bytes); bwd_post undoes it
 # (BwdSm90Config.dq_swizzle).
 DQT_SWIZZLE = (2, 3, 5)
+# cfg.dqt_panels: sdQ ((DQT_PANEL, tile_m / DQT_PANEL), d) : ((1, DQT_PANEL * d), DQT_PANEL), d
+# rows of 16 queries per panel. A warp's 8-byte store covers 8 d-rows x 8 queries; XOR-ing d's
+# bits 1-2 (offset bits 5-6) into offset bits 3-4 puts the 8 rows on 4 bank groups (2
+# wavefronts, the least for 256 bytes; rows 2 apart would share banks). bwd_post inverts it.
+DQT_PANEL = 16
+DQT_PANEL_SWIZZLE = (2, 3, 2)
+
+
+def dqt_panel_layout(tile_m: int, cols: int) -> cute.Layout:
+    """cfg.dqt_panels: sdQ's (tile_m, cols) layout before the swizzle (DQT_PANEL_SWIZZLE)."""
+    return cute.make_layout(((DQT_PANEL, tile_m // DQT_PANEL), cols),
+                            stride=((1, DQT_PANEL * cols), DQT_PANEL))
 
 
 class DqTile:
@@ -37,6 +49,8 @@ class DqTile:
         row's low 2 bits (bits log2(d) and up: rows are d floats), so the 8 rows of a warp's
         8-byte accumulator stores land on 4 different bank groups (2 wavefronts, the least
         for 256 bytes)."""
+        if const_expr(self.cfg.dq_panels):
+            return DQT_PANEL_SWIZZLE
         if const_expr(self.cfg.dq_transposed):
             return DQT_SWIZZLE
         return (2, 3, self.cfg.sdq_cols.bit_length() - 1 - 3)

@@ -29,6 +29,9 @@ class Barrier(enum.IntEnum):
     DS_READY_ODD = 8
     DQ_FULL_ODD = 9
     DQ_EMPTY_ODD = 10
+    # cfg.early_dv: one warpgroup's dV rows are in sV (DV_STAGED + wg, 128 threads)
+    DV_STAGED = 11
+    DV_STAGED_WG2 = 12
 
 
 def parity_barrier(even: Barrier, odd: Barrier, step: Int32) -> Int32:
@@ -56,8 +59,8 @@ class KeyTile:
 @dataclass(frozen=True)
 class PersistentTiles:
     """Persistent: tile numbers (common/scheduler.py) and how one becomes a KeyTile."""
-    tile_at: Callable  # (n_block, head, batch) -> KeyTile
-    coords: Callable   # tile number -> (n_block, head, batch)
+    tile_at: Callable  # (n_block, head, batch[, lens]) -> KeyTile
+    coords: Callable   # tile number -> (n_block, head, batch[, lens: varlen])
     count: Int32       # tile numbers (varlen: a bound)
 
     def num_tiles(self):
@@ -93,9 +96,12 @@ class LoadOperands:
 
 @dataclass(frozen=True)
 class DkvOut:
-    """Where dK and dV go: the global tensors (staged batched epilogue: their TMA views) and
-    the TMA store atoms (None unless the epilogue stores by TMA)."""
+    """Where dK and dV go: the global tensors (staged batched epilogue: their TMA views), the
+    TMA store atoms (None unless the epilogue stores by TMA) and, varlen, the TMA views beside
+    the tensors (a sequence's last, partial key block takes row stores)."""
     mdK: cute.Tensor
     mdV: cute.Tensor
     tma_dk: Optional[cute.CopyAtom]
     tma_dv: Optional[cute.CopyAtom]
+    tma_mdK: Optional[cute.Tensor] = None
+    tma_mdV: Optional[cute.Tensor] = None

@@ -7,6 +7,8 @@
     store_acc_rows   accumulator fragment -> global straight from registers, predicated
     store_staged     accumulator tiles -> shared tiles that other warps may still be reading
                      -> global: barriers, TMA stores or row stores, release
+    store_own_rows   one warpgroup's rows of an accumulator tile -> its own rows of a shared
+                     tile (no other warp reads them) -> global by row stores, at once
 
 fwd.py stages O in sO (= sQ); bwd.py stages dK / dV in sK / sV with
 ``BwdSm90Config.tma_epilogue`` (store_staged), else stores them from registers.
@@ -18,6 +20,8 @@ from cutlass.cute.nvgpu import warp
 
 from ..common.layout import acc_as_mn, row_copy
 from .pipelines import tma_split
+
+TMA_BOX_COLS = 64  # store_own_rows' TMA box width: one 128-byte swizzle atom of 2-byte data
 
 
 @cute.jit
@@ -82,17 +86,21 @@ def store_acc_rows(acc: cute.Tensor, gOut: cute.Tensor, tcOut: cute.Tensor, bloc
 def store_staged(tiled_mma: cute.TiledMma, accs, s_tiles, g_tiles, tidx: Int32,
                  num_threads: cutlass.Constexpr[int], free_barrier: cutlass.Constexpr[int],
                  staged_barrier: cutlass.Constexpr[int], store_warp: cutlass.Constexpr[int],
-                 tma_atoms, rows: Int32, release):
+                 tma_atoms, rows: Int32, release, tma_g_tiles=None):
     """fp32 accumulator tiles of a whole ``tiled_mma`` (one C tile each, held by its
     ``num_threads`` threads) -> the shared tiles ``s_tiles`` (their dtype) -> ``g_tiles``.
 
     The shared tiles are written only after the named barrier ``free_barrier``: until every
     thread has passed it, another thread's wgmma may still read them. Then, with TMA atoms,
     warp ``store_warp`` waits on ``staged_barrier`` (the other threads only arrive and move on)
-    and issues one store per tile, clipped at the global tensor's extent; without (varlen),
-    every thread stores 16-byte pieces of the first ``rows`` rows after ``staged_barrier``.
+    and issues one store per tile, clipped at the global tensor's extent; without, every
+    thread stores 16-byte pieces of the first ``rows`` rows after ``staged_barrier``.
+    ``tma_g_tiles`` (varlen: the TMA views of ``g_tiles``, packed rows): the TMA clips at the
+    packed tensor's extent, not the sequence's, so only a tile with all its rows (``rows`` >=
+    its height) goes by TMA; a sequence's last, partial tile takes the row stores.
     ``release`` (or None) runs once the stores have read the shared tiles, e.g. a pipeline
-    release that lets a load overwrite them."""
+    release that lets a load overwrite them; with ``tma_g_tiles`` it must be None (the two
+    paths would release from different threads)."""
     staged = [cute.make_rmem_tensor_like(acc, sT.element_type) for acc, sT in zip(accs, s_tiles)]
     for r, acc in zip(staged, accs):
         r.store(acc.load().to(r.element_type))
@@ -103,22 +111,79 @@ def store_staged(tiled_mma: cute.TiledMma, accs, s_tiles, g_tiles, tidx: Int32,
     # a TMA load's writes.
     cute.arch.fence_proxy("async.shared", space="cta")
     if const_expr(tma_atoms is None):
+        store_staged_rows(s_tiles, g_tiles, rows, tidx, num_threads, staged_barrier, release)
+    elif const_expr(tma_g_tiles is not None):
+        assert release is None, "store_staged: a release with row and TMA paths"
+        if rows >= cute.size(s_tiles[0], mode=[0]):  # uniform over the CTA
+            store_staged_tma(s_tiles, tma_g_tiles, num_threads, staged_barrier, store_warp,
+                             tma_atoms, None)
+        else:
+            store_staged_rows(s_tiles, g_tiles, rows, tidx, num_threads, staged_barrier, None)
+    else:
+        store_staged_tma(s_tiles, g_tiles, num_threads, staged_barrier, store_warp, tma_atoms,
+                         release)
+
+
+@cute.jit
+def store_staged_rows(s_tiles, g_tiles, rows: Int32, tidx: Int32,
+                      num_threads: cutlass.Constexpr[int],
+                      staged_barrier: cutlass.Constexpr[int], release):
+    """store_staged's row stores: every thread, after ``staged_barrier``."""
+    cute.arch.barrier(barrier_id=staged_barrier, number_of_threads=num_threads)
+    for sT, gT in zip(s_tiles, g_tiles):
+        store_smem_rows(sT, gT, rows, tidx, num_threads)
+    if const_expr(release is not None):
+        release()
+
+
+@cute.jit
+def store_staged_tma(s_tiles, g_tiles, num_threads: cutlass.Constexpr[int],
+                     staged_barrier: cutlass.Constexpr[int], store_warp: cutlass.Constexpr[int],
+                     tma_atoms, release):
+    """store_staged's TMA stores: warp ``store_warp`` waits on ``staged_barrier`` and issues
+    them; the other threads arrive and move on."""
+    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == store_warp:
         cute.arch.barrier(barrier_id=staged_barrier, number_of_threads=num_threads)
-        for sT, gT in zip(s_tiles, g_tiles):
-            store_smem_rows(sT, gT, rows, tidx, num_threads)
+        for atom, sT, gT in zip(tma_atoms, s_tiles, g_tiles):
+            tma_store(atom, sT, gT)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # also before the CTA exits
         if const_expr(release is not None):
+            # Every lane issues and waits (ptxas makes one UTMASTG per warp); the release
+            # (lane 0's arrive) must follow every lane's wait.
+            cute.arch.sync_warp()
             release()
     else:
-        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == store_warp:
-            cute.arch.barrier(barrier_id=staged_barrier, number_of_threads=num_threads)
-            for atom, sT, gT in zip(tma_atoms, s_tiles, g_tiles):
-                tma_store(atom, sT, gT)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # also before the CTA exits
-            if const_expr(release is not None):
-                # The DSL elected one lane to issue and wait; the release (lane 0's arrive)
-                # must follow that wait.
-                cute.arch.sync_warp()
-                release()
-        else:
-            cute.arch.barrier_arrive(barrier_id=staged_barrier, number_of_threads=num_threads)
+        cute.arch.barrier_arrive(barrier_id=staged_barrier, number_of_threads=num_threads)
+
+
+@cute.jit
+def store_own_rows(tiled_mma: cute.TiledMma, acc: cute.Tensor, sT: cute.Tensor,
+                   gT: cute.Tensor, tidx: Int32, part: Int32,
+                   part_rows: cutlass.Constexpr[int], part_threads: cutlass.Constexpr[int],
+                   barrier_id: Int32, rows: Int32, tma_atom=None):
+    """Thread ``tidx``'s fragment of ``tiled_mma``'s fp32 C tile ``acc`` -> the shared tile
+    ``sT`` (its dtype) -> ``gT``, for one part of the MMA's threads on its own: ``part``'s
+    ``part_threads`` threads hold rows part * part_rows .. + part_rows - 1 of the tile, which
+    no other warp may be reading, and store the first ``rows`` of them (counted from the
+    part's first row) with 16-byte row stores after the named barrier ``barrier_id`` (one id
+    per part). With ``tma_atom`` (a box of part_rows x B columns; gT a TMA view, clipped at
+    its extent) the part's first warp issues one TMA store per B columns and commits them;
+    it must wait for their read (cp_async_bulk_wait_group) before the CTA exits."""
+    staged = cute.make_rmem_tensor_like(acc, sT.element_type)
+    staged.store(acc.load().to(sT.element_type))
+    stmatrix_acc(tiled_mma, staged, sT, tidx)
+    if const_expr(tma_atom is not None):
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> TMA reads
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=part_threads)
+    cols = cute.size(sT, mode=[1])
+    sP = cute.local_tile(sT, (part_rows, cols), (part, 0))
+    gP = cute.local_tile(gT, (part_rows, cols), (part, 0))
+    if const_expr(tma_atom is None):
+        store_smem_rows(sP, gP, rows, tidx % part_threads, part_threads)
+    elif cute.arch.make_warp_uniform(tidx // 32) % (part_threads // 32) == 0:
+        # The part's first warp; every lane issues, ptxas makes one UTMASTG per warp.
+        for c in cutlass.range_constexpr(cols // TMA_BOX_COLS):
+            tma_store(tma_atom, cute.local_tile(sP, (part_rows, TMA_BOX_COLS), (0, c)),
+                      cute.local_tile(gP, (part_rows, TMA_BOX_COLS), (0, c)))
+        cute.arch.cp_async_bulk_commit_group()
