@@ -507,8 +507,8 @@ class BwdSm90Config:
     # hides its dV there, and the shared epilogue stages and stores dK alone (32 of 64 KB at
     # d=128). Narrow kernel with the staged epilogue; no effect elsewhere (the wide kernel's
     # warpgroups share sV's rows; GQA's fp32 dK / dV and the persistent kernel without
-    # tma_epilogue are not staged), so time it where it applies. GPU-checked
-    # bitwise (session 32), not yet timed.
+    # tma_epilogue are not staged), so time it where it applies. GPU-checked bitwise (session
+    # 32), not yet timed.
     early_dv: bool = False
     # With early_dv and dQ in turns ("alt" / "talt"), one tile per CTA: dK too leaves per
     # warpgroup, with no epilogue shared by both. The one with the last block's dQ turn
@@ -516,14 +516,13 @@ class BwdSm90Config:
     # other stages its dK in the sdS buffer its own last turn read (block m_end - 2's). Both
     # row-store at once: no KV_FREE / DKV_STAGED barrier, no TMA store or read wait. No effect
     # elsewhere (the persistent kernel reuses sdS / sK for its next tile: it would need a
-    # proxy fence and the K/V release after these stores). GPU-checked
-    # bitwise (session 32), not yet timed.
+    # proxy fence and the K/V release after these stores). GPU-checked bitwise (session 32),
+    # not yet timed.
     early_dk: bool = False
     # With early_dk, batched, d a multiple of 64: each warpgroup's staged dK / dV rows leave by
     # TMA stores of (64 rows, 64 columns) boxes (whole 8 KB swizzle blocks in every staging
     # place) issued by its first warp, instead of row stores; that warp waits for their read
-    # before it exits. GPU-checked
-    # bitwise (session 32), not yet timed.
+    # before it exits. GPU-checked bitwise (session 32), not yet timed.
     early_tma: bool = False
 
     @property
