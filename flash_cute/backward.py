@@ -398,7 +398,8 @@ _ORDER_FIELDS = frozenset(("stagger", "dq_first", "persistent"))
 # exp_bwd.py --nc128 / --c128 tm64 talt_lse), TFLOP/s 64 rows / 80 rows: non-causal s=1k 411 /
 # 423, 4k 528 / 542, 16k 564 / 587 (s=512 within +-2%); causal 1k 297 / 288, 4k 489 / 462, 8k
 # 525 / 530, 16k 548 / 567 (more masked rows per diagonal block), hence two thresholds.
-BATCHED_TALT = {"tile_m": BWD_TILE_M80, "dq_split": "talt"}
+BATCHED_TALT = {"tile_m": BWD_TILE_M80, "dq_split": "talt", "dqt_panels": True}
+_TALT_TILE_FIELDS = frozenset(("tile_m", "dq_split"))
 BWD_TALT_MIN_SEQLEN_Q = 1024
 BWD_TALT_CAUSAL_MIN_SEQLEN_Q = 16384
 # Short batched calls take unpadded, swizzled dQ rows (BwdSm90Config.swizzle_dq): bwd_post and
@@ -427,7 +428,7 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
         stagger = {} if persistent or chosen & _ORDER_FIELDS else BATCHED_D64_STAGGER
         out = {**BATCHED_TILE_M128, **stagger, **(cfg_overrides or {})}
     elif (d == 128 and not persistent and seqlen_q >= talt_min
-            and not chosen & set(BATCHED_TALT)):
+            and not chosen & _TALT_TILE_FIELDS):
         return {**BATCHED_TALT, **(cfg_overrides or {})}  # its dQ^T rows are unpadded
     if (d in SWIZZLE_DQ_HEAD_DIMS and 0 < seqlen_q <= BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
             and not persistent and not chosen & _TILE_FIELDS):

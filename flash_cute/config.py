@@ -421,7 +421,8 @@ class BwdSm90Config:
     # sequence's rows); off: row stores for every block, whose drain the CTA waits for at exit
     # (session 30's timeline: the varlen gap between CTAs 3200 cycles vs 1260 batched). The
     # persistent varlen kernel keeps the row stores. GPU-checked (session 32: check_varlen_bwd
-    # d=128, test_varlen_grads_full_key_blocks d 64-256); off until it is timed.
+    # d=128, test_varlen_grads_full_key_blocks d 64-256). Off: H100, session 34, the varlen
+    # step (bench/varlen_workload.py --bwd-configs '' varlen_tma_store=1) 919 / 920 us, flat.
     varlen_tma_store: bool = False
     # dq_split "alt" only: the warpgroup without the dQ turn of a query block only arrives at
     # the dS barrier and skips the dQ hand-off, so the two warpgroups run about a dQ GEMM
@@ -497,8 +498,10 @@ class BwdSm90Config:
     # it byte for byte), d-major in 16-query panels, so the accumulator's query pairs are
     # adjacent and the dQ^T tile leaves by 8-byte stores (40 STS.64 per turn, was 80 scalar
     # STS); bwd_post reads the blocks in that order. No effect on the other tiles (so one
-    # FLASH_CUTE_BWD_CONFIG can cover a run). GPU-checked (gradients bitwise equal to the row
-    # layout's, session 32), not yet timed.
+    # FLASH_CUTE_BWD_CONFIG can cover a run). Gradients bitwise equal to the row layout's
+    # (session 32). H100, session 34 (bench/exp_bwd.py default talt_panels, two runs, TFLOP/s):
+    # non-causal 1k 428 / 430, 444 / 444; 16k 610 / 609, 610 / 611; causal 16k 596 / 601. Not
+    # slower: on in backward.BATCHED_TALT (the field stays off for the experiments' tiles).
     dqt_panels: bool = False
     # Each mma warpgroup stores its dV rows (its 64 keys) right after its own last query block:
     # to its rows of sV (its own dP^T, the only reader of them, has completed), then 16-byte row
@@ -508,7 +511,8 @@ class BwdSm90Config:
     # d=128). Narrow kernel with the staged epilogue; no effect elsewhere (the wide kernel's
     # warpgroups share sV's rows; GQA's fp32 dK / dV and the persistent kernel without
     # tma_epilogue are not staged), so time it where it applies. GPU-checked bitwise (session
-    # 32), not yet timed.
+    # 32). Off: H100, session 34 (exp_bwd.py default early_dv), d=128 non-causal 16k 610 / 585,
+    # 610 / 595 TFLOP/s; 1k, causal 1k / 4k / 16k and d=64 1k within +-1%; the varlen step flat.
     early_dv: bool = False
     # With early_dv and dQ in turns ("alt" / "talt"), one tile per CTA: dK too leaves per
     # warpgroup, with no epilogue shared by both. The one with the last block's dQ turn
@@ -516,13 +520,15 @@ class BwdSm90Config:
     # other stages its dK in the sdS buffer its own last turn read (block m_end - 2's). Both
     # row-store at once: no KV_FREE / DKV_STAGED barrier, no TMA store or read wait. No effect
     # elsewhere (the persistent kernel reuses sdS / sK for its next tile: it would need a
-    # proxy fence and the K/V release after these stores). GPU-checked bitwise (session 32),
-    # not yet timed.
+    # proxy fence and the K/V release after these stores). GPU-checked bitwise (session 32).
+    # Off: H100, session 34 (exp_bwd.py early_dkv), -1.6% .. +0.7% over d=64 / 128 cells, the
+    # varlen step flat.
     early_dk: bool = False
     # With early_dk, batched, d a multiple of 64: each warpgroup's staged dK / dV rows leave by
     # TMA stores of (64 rows, 64 columns) boxes (whole 8 KB swizzle blocks in every staging
     # place) issued by its first warp, instead of row stores; that warp waits for their read
-    # before it exits. GPU-checked bitwise (session 32), not yet timed.
+    # before it exits. GPU-checked bitwise (session 32). Off with early_dk (session 34:
+    # early_dkv_tma within -1% .. +2% of the default, the noise of those cells).
     early_tma: bool = False
 
     @property

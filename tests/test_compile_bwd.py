@@ -114,7 +114,7 @@ def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, per
 
 
 # The batched d=128 kernel of long calls as shipped (backward.BATCHED_TALT: 80-row tile, dQ^T
-# by one warpgroup in turn, staggered): both dtypes, causal or not, GQA, deterministic.
+# by one warpgroup in turn in d-major panels, staggered): both dtypes, causal or not, GQA, deterministic.
 TALT_128 = [(dt, 128, c, g, det) for dt in ("BFloat16", "Float16") for c in (False, True)
             for g in (False, True) for det in (False, True)]
 
@@ -129,7 +129,7 @@ def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tm
     ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, **ov),
                        tmp_path)
     check_main_sass(ops)
-    assert ops.get("STS.64", 0) == 0 and ops.get("STS", 0) > 0  # the transposed dQ^T stores
+    assert ops.get("STS.64", 0) > 0 and ops["STS"] == ops["STS.64"]  # dQ^T panels (dqt_panels)
 
 
 @pytest.mark.parametrize("causal,gqa,deterministic", [(False, False, False), (True, True, True)],
@@ -141,9 +141,9 @@ def test_bwd_talt_dqt_panels_compiles(causal, gqa, deterministic, tmp_path, monk
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
     args = (ARCH, "BFloat16", 128, causal, gqa, deterministic)
-    base = sass_opcodes(backward.bwd_cubin(*args, **backward.BATCHED_TALT), tmp_path)
-    ops = sass_opcodes(backward.bwd_cubin(*args, **backward.BATCHED_TALT, dqt_panels=True),
-                       tmp_path)
+    base = sass_opcodes(backward.bwd_cubin(*args, **{**backward.BATCHED_TALT,
+                                                     "dqt_panels": False}), tmp_path)
+    ops = sass_opcodes(backward.bwd_cubin(*args, **backward.BATCHED_TALT), tmp_path)
     check_main_sass(ops)
     assert ops["HGMMA"] == base["HGMMA"]
     assert ops.get("STS.64", 0) * 2 == base["STS"] and ops["STS"] == ops["STS.64"], ops
@@ -952,7 +952,8 @@ def test_batched_talt_overrides(monkeypatch):
     long_q = backward.BWD_TALT_MIN_SEQLEN_Q
     assert backward.batched_overrides(128, None, False, long_q) == backward.BATCHED_TALT
     cfg = backward.bwd_config(128, backward.BATCHED_TALT, False)
-    assert (cfg.tile_m, cfg.dq_split, cfg.stagger, cfg.dq_swizzle) == (80, "talt", True, 1)
+    assert (cfg.tile_m, cfg.dq_split, cfg.stagger, cfg.dq_panels) == (80, "talt", True, True)
+    assert cfg.dq_swizzle is None  # the panels' own swizzle (bwd_dq.DQT_PANEL_SWIZZLE)
     long_c = backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q
     assert backward.batched_overrides(128, None, True, long_c) == backward.BATCHED_TALT
     for causal, sq, pers in ((True, long_c - 1, False), (False, long_q + 1, True),
