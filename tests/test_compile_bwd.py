@@ -114,7 +114,8 @@ def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, per
 
 
 # The batched d=128 kernel of long calls as shipped (backward.BATCHED_TALT: 80-row tile, dQ^T
-# by one warpgroup in turn in d-major panels, staggered): both dtypes, causal or not, GQA, deterministic.
+# by one warpgroup in turn in d-major panels, staggered): both dtypes, causal or not, GQA,
+# deterministic.
 TALT_128 = [(dt, 128, c, g, det) for dt in ("BFloat16", "Float16") for c in (False, True)
             for g in (False, True) for det in (False, True)]
 
