@@ -52,10 +52,10 @@ current stream.
 
 Memory: dQaccum fp32 (b, h, sq_pad, d + DQ_ROW_PAD) and D, LSE_log2 fp32 (b, h, sq_pad) with
 sq_pad = sq rounded up to tile_m (64; 128 for the batched d=64 kernel; 80 for the batched
-d=128 kernel of long calls, BATCHED_TALT, whose dQaccum rows are unpadded (cfg.dq_row) and
-hold each row's 8-float groups permuted (cfg.dq_swizzle, undone by bwd_post); with
-cfg.dqt_panels each 80-row block d-major in 16-query panels instead (cfg.dq_panels)) (varlen: (h,
-rows, ...) with rows = (total_q // tile_m + b) * tile_m);
+d=128 kernel of long calls, BATCHED_TALT, whose dQaccum rows are unpadded (cfg.dq_row), each
+80-row block d-major in 16-query panels (cfg.dq_panels; with dqt_panels off, rows with their
+8-float groups permuted, cfg.dq_swizzle; bwd_post undoes either)) (varlen: (h, rows, ...) with
+rows = (total_q // tile_m + b) * tile_m);
 with GQA also fp32 dK, dV per query head (b, sk, h, d) (varlen: (total_k, h, d)).
 """
 from __future__ import annotations
@@ -399,7 +399,7 @@ _ORDER_FIELDS = frozenset(("stagger", "dq_first", "persistent"))
 # 423, 4k 528 / 542, 16k 564 / 587 (s=512 within +-2%); causal 1k 297 / 288, 4k 489 / 462, 8k
 # 525 / 530, 16k 548 / 567 (more masked rows per diagonal block), hence two thresholds.
 BATCHED_TALT = {"tile_m": BWD_TILE_M80, "dq_split": "talt", "dqt_panels": True}
-_TALT_TILE_FIELDS = frozenset(("tile_m", "dq_split"))
+_TALT_TILE_FIELDS = frozenset(("tile_m", "dq_split"))  # chosen by the caller: its tile, not talt
 BWD_TALT_MIN_SEQLEN_Q = 1024
 BWD_TALT_CAUSAL_MIN_SEQLEN_Q = 16384
 # Short batched calls take unpadded, swizzled dQ rows (BwdSm90Config.swizzle_dq): bwd_post and

@@ -136,8 +136,8 @@ def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tm
 @pytest.mark.parametrize("causal,gqa,deterministic", [(False, False, False), (True, True, True)],
                          ids=str)
 def test_bwd_talt_dqt_panels_compiles(causal, gqa, deterministic, tmp_path, monkeypatch):
-    """cfg.dqt_panels (GPU-checked bitwise, not timed): the talt dQ^T tile in d-major panels
-    leaves by half as many 8-byte stores as the scalar ones before, spill-free; bwd_post's
+    """cfg.dqt_panels (shipped in BATCHED_TALT): the talt dQ^T tile in d-major panels leaves
+    by half as many 8-byte stores as the row layout's scalar ones, spill-free; bwd_post's
     panel read compiles, batched and varlen."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
