@@ -101,14 +101,17 @@ class FlashBwdPreSm90:
             # A CTA per tile_m padded rows of one (sequence, head), numbered over the tiles
             # that exist (common/scheduler.py); the grid's bound leaves a few past the last.
             heads = mO.shape[1]
-            block, head, batch, (offset_q, seqlen_q, _, _) = scheduler.varlen_tile_coords(
+            block, head, batch = scheduler.varlen_tile_coords(
                 cute.arch.block_idx()[0], mCuSeqlensQ, mSeqUsedQ, self.tile_m, heads, heads,
-                False, lens=True)
+                False)
             if batch < mCuSeqlensQ.shape[0] - 1:
                 # The sequence's rows as (row, h, ...) views: packed from its start, padded
-                # from its padded start; whole tiles up to its used length.
-                seq = SeqlenInfo.from_lengths(batch, offset_q, seqlen_q, 0, 0,
-                                              pad_tile_m=self.tile_m)
+                # from its padded start; whole tiles up to its used length. Its offset and
+                # length are read again here (a second round of loads) rather than taken from
+                # the scan (``lens=True``): that cost this kernel 7% on an H100 (102 -> 109 us
+                # on the varlen workload, docs/performance.md session 35).
+                seq = SeqlenInfo.create(batch, None, None, mCuSeqlensQ, None, mSeqUsedQ, None,
+                                        pad_tile_m=self.tile_m)
                 packed = [cute.domain_offset((seq.offset_q, 0, 0), t) for t in (mO, mdO)]
                 packed.append(cute.domain_offset((0, seq.offset_q), mLSE))
                 padded = [cute.domain_offset((0, seq.offset_q_pad), t) for t in (mLSElog2, mD)]
