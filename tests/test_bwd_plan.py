@@ -1,0 +1,117 @@
+"""The fused SM90 backward's block plan on the CPU: which query blocks a key block visits and
+masks, LSE_log2 = +inf on empty rows, D = rowsum(dO o O), emulated block by block in float64,
+reproduces the oracle's gradients; varlen's padded per-sequence rows never overlap."""
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flash_cute.config import BwdSm90Config
+from flash_cute.kernels.common import block_info
+from flash_cute.kernels.common.seqlen import pad_offset
+from flash_cute.reference import attention_ref
+
+
+def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
+    """The kernels' algorithm, block by block, in float64: bwd_pre's D and LSE_log2 (with its
+    padding and +inf rules), the main kernel's m-block range and mask range per key block
+    (block_info), and the transposed tiles; asserts the plan never skips or leaves unmasked a
+    score that the causal/ragged rule would mask differently."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    sq_pad = -(-sq // tile_m) * tile_m
+    nkb = -(-sk // tile_n)
+    f = torch.float64
+    pad_q = lambda t: torch.cat([t, t.new_zeros(b, sq_pad - sq, *t.shape[2:])], 1)  # noqa
+    pad_k = lambda t: torch.cat([t, t.new_zeros(b, nkb * tile_n - sk, *t.shape[2:])], 1)  # noqa
+    Q, dO = (pad_q(t.to(f)) for t in (q, dout))
+    K, V = (pad_k(t.to(f)) for t in (k, v))
+    lse_log2 = torch.full((b, h, sq_pad), math.inf, dtype=f)
+    lse_log2[:, :, :sq] = torch.where(lse == -math.inf, math.inf, lse.to(f) * math.log2(math.e))
+    D = torch.zeros((b, h, sq_pad), dtype=f)
+    D[:, :, :sq] = (dout.to(f) * out.to(f)).sum(-1).transpose(1, 2)
+    dQacc = torch.zeros((b, h, sq_pad, d), dtype=f)
+    dK = torch.zeros((b, nkb * tile_n, h, d), dtype=f)
+    dV = torch.zeros_like(dK)
+    off = sk - sq
+    scale_log2 = scale * math.log2(math.e)
+    for bi in range(b):
+        for hi in range(h):
+            for n in range(nkb):
+                m_begin = block_info.m_block_min_causal(n, tile_m, tile_n, sq, sk) if causal else 0
+                m_end = -(-sq // tile_m)
+                mask_end = max(m_begin, block_info.m_block_mask_end(n, tile_m, tile_n, sq, sk,
+                                                                    causal))
+                keys = torch.arange(n * tile_n, (n + 1) * tile_n).view(-1, 1)
+                blk = slice(n * tile_n, (n + 1) * tile_n)
+                Kt, Vt = K[bi, blk, hi // g], V[bi, blk, hi // g]
+                for m in range(0, m_end):
+                    rows = torch.arange(m * tile_m, (m + 1) * tile_m).view(1, -1)
+                    allowed = (keys < sk) & (rows < sq)
+                    if causal:
+                        allowed &= keys <= rows + off
+                    if m < m_begin:
+                        assert not allowed.any(), (n, m, "skipped block has visible scores")
+                        continue
+                    Qt = Q[bi, m * tile_m:(m + 1) * tile_m, hi]
+                    dOt = dO[bi, m * tile_m:(m + 1) * tile_m, hi]
+                    St = Kt @ Qt.T                                  # S^T: keys x queries
+                    if m < mask_end:
+                        kernel_ok = (keys < sk) & ((keys <= rows + off) if causal else True)
+                        St = St.masked_fill(~kernel_ok, -math.inf)
+                    else:
+                        bad = ~allowed & (rows < sq)
+                        assert not bad.any(), (n, m, "unmasked block needs a mask")
+                    lt = lse_log2[bi, hi, m * tile_m:(m + 1) * tile_m].view(1, -1)
+                    Pt = torch.exp2(St * scale_log2 - lt)
+                    dPt = Vt @ dOt.T
+                    dSt = Pt * (dPt - D[bi, hi, m * tile_m:(m + 1) * tile_m].view(1, -1))
+                    dV[bi, n * tile_n:(n + 1) * tile_n, hi] += Pt @ dOt
+                    dK[bi, n * tile_n:(n + 1) * tile_n, hi] += dSt @ Qt
+                    dQacc[bi, hi, m * tile_m:(m + 1) * tile_m] += dSt.T @ Kt
+    dq = (dQacc[:, :, :sq] * scale).transpose(1, 2)
+    dk = (dK[:, :sk] * scale).view(b, sk, hk, g, d).sum(3)
+    dv = dV[:, :sk].view(b, sk, hk, g, d).sum(3)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("tile_n", [8, 4], ids=["tn=2tm", "tn=tm(wide)"])
+@pytest.mark.parametrize("sq,sk,h,hk,causal", [
+    (1, 1, 1, 1, False), (3, 3, 2, 1, True), (13, 5, 2, 2, True), (5, 13, 2, 1, True),
+    (17, 29, 3, 1, False), (29, 17, 2, 2, True), (16, 16, 1, 1, True), (7, 24, 4, 2, True)])
+def test_bwd_plan_matches_oracle(sq, sk, h, hk, causal, tile_n):
+    torch.manual_seed(0)
+    b, d, scale = 2, 8, 0.35
+    q = torch.randn(b, sq, h, d, dtype=torch.float64)
+    k = torch.randn(b, sk, hk, d, dtype=torch.float64)
+    v = torch.randn(b, sk, hk, d, dtype=torch.float64)
+    dout = torch.randn(b, sq, h, d, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, softmax_scale=scale, causal=causal)
+    ref = torch.autograd.grad(out, leaves, dout)
+    got = _emulate_bwd(q, k, v, out.detach(), dout, lse.detach(), scale, causal,
+                       tile_m=4, tile_n=tile_n)
+    for name, g_, r in zip("qkv", got, ref):
+        # the oracle computes in fp32 (upcast=True), so fp32-level agreement is the target
+        assert torch.allclose(g_, r, atol=1e-5, rtol=1e-4), f"d{name}: {(g_ - r).abs().max()}"
+
+
+@given(lens=st.lists(st.one_of(st.integers(0, 3), st.integers(0, 300)), min_size=1,
+                     max_size=12),
+       tile_m=st.sampled_from([BwdSm90Config.for_head_dim(64).tile_m, 128, 80]))
+def test_varlen_padded_rows_disjoint(lens, tile_m):
+    """Sequence b's padded tiles start at a tile_m multiple, never overlap the next
+    sequence's, and all fit in the rows the host allocates (pad_offset of the total)."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    rows = pad_offset(cu[-1], len(lens), tile_m)
+    end = 0
+    for b, n in enumerate(lens):
+        start = pad_offset(cu[b], b, tile_m)
+        assert start % tile_m == 0 and start >= end, (b, start, end)
+        end = start + -(-n // tile_m) * tile_m
+    assert end <= rows and rows % tile_m == 0, (end, rows)
