@@ -145,7 +145,8 @@ def main():
 def compare_configs(specs, run, flops, rounds):
     """Ours under each FLASH_CUTE_BWD_CONFIG spec: the median step time over interleaved rounds
     (queued calls: the host shows only where it is the slower), then the GPU time per step
-    (profiler: the kernels alone, the steadier number for a kernel config)."""
+    and per kernel (profiler: the kernels alone, the steadier number for a kernel config; a
+    kernel's own shift can hide in the step's total, as bwd_pre's 7% did in session 35)."""
     from flash_cute.backward import CONFIG_ENV
     times = {spec: [] for spec in specs}
     for _ in range(rounds):
@@ -155,9 +156,9 @@ def compare_configs(specs, run, flops, rounds):
     for spec, ts in times.items():
         os.environ[CONFIG_ENV] = spec
         t = statistics.median(ts)
-        gpu = kernel_times(None, run)
         print(f"{spec or 'shipped':>24}: fwd+bwd {3.5 * flops / t / 1e9:6.0f} TFLOP/s "
-              f"({t:.3f} ms), GPU {gpu:.0f} us per step", flush=True)
+              f"({t:.3f} ms)", flush=True)
+        kernel_times(f"{spec or 'shipped':>24}", run, top=4)
     os.environ.pop(CONFIG_ENV)
 
 
