@@ -67,6 +67,13 @@ class FwdSm90Config:
     # session 24: +0.4..+1.6% over packed P); d=96 lost 4-8%; d=64's 160-register consumers
     # spill with it.
     q_in_regs: bool = False
+    # Static persistent walk over equal (non-causal, batched) tiles only: the last, partial
+    # round's tiles are cut along their key blocks into equal pieces for ``tail_ctas`` CTAs
+    # (a runtime argument; 0 runs the plain walk), and the CTA holding a tile's first block
+    # merges the others' partial O / row max / row sum (common/scheduler.py, "Split tail").
+    # Otherwise that round keeps R of the SMs busy (d=128 16 heads x 16k: 2048 tiles on 132
+    # SMs, 68 of them in the last round, about 3% of the call idle).
+    split_tail: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg not in (2, 3):
@@ -75,6 +82,8 @@ class FwdSm90Config:
             raise ValueError("dynamic is a persistent tile order: set persistent=True too")
         if self.own_o and not self.persistent:
             raise ValueError("own_o: persistent only (one tile per CTA never reloads Q)")
+        if self.split_tail and (self.dynamic or not self.persistent):
+            raise ValueError("split_tail splits the static persistent walk's last round")
         if self.early_rescale and self.pingpong:
             raise ValueError("early_rescale would run inside the ping-pong GEMM turn")
 
@@ -195,18 +204,47 @@ def fwd_tile_m(d: int, narrow: bool) -> int:
 
 
 def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool = False,
-                  narrow: bool = False, own_o: bool = False, varlen: bool = False):
+                  narrow: bool = False, own_o: bool = False, varlen: bool = False,
+                  split: bool = False):
     """FwdSm90Config overrides of one compiled forward (dispatch.get_fwd_kernel's key); own_o
     applies to the persistent kernel only; varlen drops lazy_rescale where it spilled
-    (LAZY_BATCHED_ONLY_HEAD_DIMS)."""
+    (LAZY_BATCHED_ONLY_HEAD_DIMS); split: split_tail (the static walk, batched non-causal)."""
     base = persistent_fwd_overrides(d, causal, dynamic) if persistent else {}
     own_o = own_o and persistent
     out = {**base, **(OWN_O if own_o else {}),
            **(QREGS if own_o and d in QREGS_HEAD_DIMS else {}),
-           **(NARROW_FWD[d] if narrow else {})}
+           **(NARROW_FWD[d] if narrow else {}), **({"split_tail": True} if split else {})}
     if varlen and d in LAZY_BATCHED_ONLY_HEAD_DIMS:
         out["lazy_rescale"] = False
     return out
+
+
+@functools.lru_cache(maxsize=None)  # asked for on every split-capable call
+def fwd_config(d: int, causal: bool, persistent: bool = False, dynamic: bool = False,
+               narrow: bool = False, own_o: bool = False, varlen: bool = False,
+               split: bool = False) -> FwdSm90Config:
+    """The FwdSm90Config of one compiled forward (fwd_overrides applied)."""
+    return dataclasses.replace(FwdSm90Config.for_head_dim(d), **fwd_overrides(
+        d, causal, persistent, dynamic, narrow, own_o, varlen, split))
+
+
+# Split tail (FwdSm90Config.split_tail). A piece pays a tile's fixed costs again (Q load, the
+# first K block before any overlap, the hand-over of d/2 + 4 floats per thread), about a key
+# block or two: pieces shorter than this many blocks are not worth cutting.
+SPLIT_TAIL_MIN_BLOCKS = 4
+
+
+def split_tail_ctas(num_tiles: int, ctas: int, nblk: int) -> int:
+    """CTAs sharing the static walk's last, partial round (0: no split). ``ctas``: the
+    persistent grid's budget; ``nblk``: key blocks per tile. The R tiles of that round become
+    R * nblk blocks over up to ``ctas`` CTAs, at least SPLIT_TAIL_MIN_BLOCKS each; worth it
+    only with more CTAs than R (each range then shorter than a tile)."""
+    grid = min(num_tiles, ctas)
+    rest = num_tiles % grid
+    if rest == 0:
+        return 0
+    tail = min(grid, rest * nblk // SPLIT_TAIL_MIN_BLOCKS)
+    return tail if tail > rest else 0
 
 
 # Varlen calls walk tiles (persistent_fwd_order) whatever their lengths, so a training loop's

@@ -20,9 +20,9 @@ import time
 import torch
 
 from .config import (SUPPORTED_HEAD_DIMS, VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config,
-                     fwd_l2_budget, fwd_overrides, fwd_own_o, fwd_tile_m, heads_per_section,
-                     l2_sections, narrow_fwd, persistent_fwd_order, persistent_fwd_overrides,
-                     persistent_fwd_walk)
+                     fwd_config, fwd_l2_budget, fwd_overrides, fwd_own_o, fwd_tile_m,
+                     heads_per_section, l2_sections, narrow_fwd, persistent_fwd_order,
+                     persistent_fwd_overrides, persistent_fwd_walk, split_tail_ctas)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
@@ -35,6 +35,10 @@ _cache_lock = threading.Lock()
 # tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls follow it when it is
 # set; unset they always walk (config.VARLEN_FWD_PERSISTENT_AUTO).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
+# Split tail of the static walk (FwdSm90Config.split_tail). "auto": where
+# config.split_tail_ctas finds it worth it; "0": never (A/B runs). Unset: SPLIT_TAIL_DEFAULT.
+SPLIT_TAIL_ENV = "FLASH_CUTE_FWD_SPLIT_TAIL"
+SPLIT_TAIL_DEFAULT = "0"  # not yet checked on a GPU
 
 
 def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
@@ -109,8 +113,27 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     counter = _fake_tile_counter() if cfg.dynamic else None
     # Runtime values (config.l2_sections); varlen has no tail section (sections per sequence).
     sections = (cutlass.Int32(1), None if varlen else cutlass.Int32(1))
-    args = (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter)
+    split = _fake_split_args(cfg) if cfg.split_tail else (None,) * 3
+    args = (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter, *split)
     return compile_kernel(kernel, args, keep_cubin)
+
+
+def _split_slot_shape(cfg: FwdSm90Config):
+    """One CTA's slot of split-tail partials: (d / 2 + 4 values, consumer threads), fp32."""
+    return cfg.head_dim // 2 + 4, 128 * cfg.num_consumer_wg
+
+
+def _fake_split_args(cfg: FwdSm90Config):
+    """split_tail's runtime arguments: tail_ctas, the partials (ctas, values, threads), the
+    flags (one int32 per tail tile)."""
+    import cutlass
+    import cutlass.cute as cute
+    partial = cute.runtime.make_fake_compact_tensor(
+        cutlass.Float32, (cute.sym_int(), *_split_slot_shape(cfg)), stride_order=(2, 1, 0),
+        assumed_align=16)
+    flags = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,),
+                                          assumed_align=4)
+    return cutlass.Int32(1), partial, flags
 
 
 def _fake_tile_counter():
@@ -143,17 +166,18 @@ def compile_kernel(fn, args, keep=False):
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                    persistent: bool = False, dynamic: bool = False, narrow: bool = False,
-                   own_o: bool = False):
+                   own_o: bool = False, split: bool = False):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
-    own_o: config.OWN_O (persistent only)."""
+    own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail."""
     own_o = own_o and persistent
     key = (("fwd", arch, dtype_name, d, causal, varlen) + (("persistent",) if persistent else ())
            + (("dynamic",) if dynamic else ()) + (("narrow",) if narrow else ())
-           + (("own_o",) if own_o else ()))
+           + (("own_o",) if own_o else ()) + (("split",) if split else ()))
     with _cache_lock:
         if key not in _cache:
-            overrides = fwd_overrides(d, causal, persistent, dynamic, narrow, own_o, varlen)
+            overrides = fwd_overrides(d, causal, persistent, dynamic, narrow, own_o, varlen,
+                                      split)
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, **overrides)
         return _cache[key]
 
@@ -260,19 +284,47 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         return out, lse
     arch = _device_arch(q.device)
     narrow = narrow_fwd(d, causal, sq)
-    ctas, dynamic = _persistent_ctas(q.device, d, causal, sq, b * h,
-                                     fwd_tile_m(d, narrow)) or (None, False)
+    tile_m = fwd_tile_m(d, narrow)
+    ctas, dynamic = _persistent_ctas(q.device, d, causal, sq, b * h, tile_m) or (None, False)
+    own_o = fwd_own_o(d, causal, sk)
+    num_tiles = -(-sq // tile_m) * b * h
+    tail = 0
+    if ctas is not None and not dynamic and not causal \
+            and os.environ.get(SPLIT_TAIL_ENV, SPLIT_TAIL_DEFAULT) != "0":
+        cfg = fwd_config(d, False, persistent=True, own_o=own_o, split=True)
+        tail = split_tail_ctas(num_tiles, ctas, -(-sk // cfg.tile_n))
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                             persistent=ctas is not None, dynamic=dynamic, narrow=narrow,
-                            own_o=fwd_own_o(d, causal, sk))
-    sections = l2_sections(sk, d, q.element_size(), b * h, -(-sq // fwd_tile_m(d, narrow)),
+                            own_o=own_o, split=tail > 0)
+    sections = l2_sections(sk, d, q.element_size(), b * h, num_tiles // (b * h),
                            ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
+    split = (tail, *split_workspace(q.device, cfg, min(ctas, num_tiles))) if tail else ()
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           *sections, *NO_VARLEN, ctas, tile_counter(q.device) if dynamic else None)
+           *sections, *NO_VARLEN, ctas, tile_counter(q.device) if dynamic else None,
+           *(split or (None,) * 3))
     return out, lse
 
 
 _TILE_COUNTERS = {}  # (device index, stream handle) -> counter
+_SPLIT_WORKSPACES = {}  # (device index, stream handle, slot shape) -> (partials, flags)
+
+
+def split_workspace(device, cfg: FwdSm90Config, grid: int):
+    """split_tail's partials (grid, d / 2 + 4, threads) fp32 and flags (grid,) int32, zero at
+    launch (each tile's combiner zeroes its flag again). One pair per stream and slot shape,
+    grown to the largest grid asked for (as tile_counter: launches on one stream never share
+    it at once); under CUDA graph capture a fresh pair per call."""
+    shape = _split_slot_shape(cfg)
+    if torch.cuda.is_current_stream_capturing():
+        return (torch.empty((grid, *shape), dtype=torch.float32, device=device),
+                torch.zeros(grid, dtype=torch.int32, device=device))
+    key = (device.index, _raw_stream(device.index), shape)
+    ws = _SPLIT_WORKSPACES.get(key)
+    if ws is None or ws[1].shape[0] < grid:
+        ws = _SPLIT_WORKSPACES[key] = (
+            torch.empty((grid, *shape), dtype=torch.float32, device=device),
+            torch.zeros(grid, dtype=torch.int32, device=device))
+    return ws
 
 
 def _current_stream_handle(index: int) -> int:

@@ -58,7 +58,13 @@ EXPERIMENTS = ([("BFloat16", 64, True, fwd_overrides(64, True, p, dyn, narrow=Tr
                # walks (own_o and not; dynamic when causal).
                + [("BFloat16", 64, c, {**fwd_overrides(64, c, True, c, own_o=o),
                                        "pingpong": True})
-                  for c in (False, True) for o in (False, True)])
+                  for c in (False, True) for o in (False, True)]
+               # Session 36: the static walk's split tail (non-causal, batched), in each head
+               # dim's persistent configs (own_o where dispatch picks it).
+               + [(dt, d, False, fwd_overrides(d, False, True, own_o=o, split=True))
+                  for dt in ("BFloat16", "Float16")
+                  for d, o in ((64, False), (64, True), (96, True), (128, True), (192, False),
+                               (256, False))])
 
 
 @functools.lru_cache(maxsize=None)

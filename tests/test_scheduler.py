@@ -291,3 +291,70 @@ def test_dynamic_beats_static_on_causal_longest_first():
             t += 2 * (grid - c) - 1 if (t // grid) % 2 == 0 else 2 * c + 1  # next_tile
     assert dynamic_end < 0.7 * max(static_load)
     assert dynamic_end <= sum(work) / grid + 1
+
+
+def split_walk(cta, num_tiles, grid, tail_ctas, nblk):
+    """One CTA's walk positions under FwdSm90Config.split_tail, as the kernel steps them
+    (scheduler.split_first / split_next; next_tile's alternating rounds below ``full``)."""
+    full = num_tiles - num_tiles % grid * min(tail_ctas, 1)
+    units = (num_tiles - full) * nblk
+    ctas = max(tail_ctas, 1)
+    start, end = min(cta, ctas) * units // ctas, min(cta + 1, ctas) * units // ctas
+    pos = cta if cta < full else full + start
+    while pos < full + end:
+        yield scheduler.split_piece(pos, full, nblk, end)
+        if pos < full:
+            step = 2 * (grid - cta) - 1 if (pos // grid) % 2 == 0 else 2 * cta + 1
+            pos = pos + step if pos + step < full else full + start
+        else:
+            pos = full + ((pos - full) // nblk + 1) * nblk
+
+
+@given(tiles=st.integers(1, 600), grid=st.integers(1, 140), nblk=st.integers(1, 40),
+       data=st.data())
+def test_split_tail_covers_every_block_once(tiles, grid, nblk, data):
+    """The split tail deals every key block of every tile to exactly one CTA; whole rounds
+    stay whole; a tail tile's pieces are contiguous ranges, the one holding block 0 is its
+    CTA's last piece and split_owner names the CTAs of the others, which run theirs first;
+    each CTA hands over at most one piece (its one slot)."""
+    grid = min(grid, tiles)
+    rest = tiles % grid
+    tail_ctas = data.draw(st.integers(rest + 1, grid)) if 0 < rest < grid else 0
+    full = tiles - rest if tail_ctas else tiles
+    units = rest * nblk if tail_ctas else 0
+    seen = {}
+    for cta in range(grid):
+        pieces = list(split_walk(cta, tiles, grid, tail_ctas, nblk))
+        tail = [p for p in pieces if p[0] >= full]
+        assert len(tail) <= 2 and sum(lo > 0 for _, lo, _ in tail) <= 1
+        for i, (tile, lo, hi) in enumerate(pieces):
+            assert 0 <= lo < hi <= nblk
+            assert tile >= full or (lo, hi) == (0, nblk)
+            if tile >= full and lo > 0:
+                assert i == len(pieces) - len(tail), "a later piece runs first in its range"
+            if tile >= full and lo == 0 and hi < nblk:
+                assert i == len(pieces) - 1, "a combining piece is its CTA's last"
+                t = tile - full
+                others = scheduler.split_owner((t + 1) * nblk - 1, tail_ctas, units) - cta
+                assert others >= 1
+            for b in range(lo, hi):
+                assert (tile, b) not in seen
+                seen[tile, b] = cta
+    assert set(seen) == {(t, b) for t in range(tiles) for b in range(nblk)}
+    for t in range(full, tiles):  # the owners split_owner names are the CTAs that ran them
+        for b in range(nblk):
+            assert seen[t, b] == scheduler.split_owner((t - full) * nblk + b, tail_ctas, units)
+
+
+def test_split_tail_choice():
+    """config.split_tail_ctas: the grid cells' 2048 tiles on 132 SMs leave 68 in the last
+    round; cut when pieces keep >= SPLIT_TAIL_MIN_BLOCKS blocks and outnumber the tiles."""
+    from flash_cute.config import SPLIT_TAIL_MIN_BLOCKS, split_tail_ctas
+    assert split_tail_ctas(2048, 132, 128) == 132  # d=128 16k
+    assert split_tail_ctas(2048, 132, 8) == 132    # d=128 1k: 68 x 8 / 4 blocks
+    assert split_tail_ctas(2112, 132, 128) == 0    # whole rounds
+    assert split_tail_ctas(100, 132, 128) == 0     # one partial round: no whole one to follow
+    assert split_tail_ctas(2048, 132, 1) == 0      # pieces would be shorter than a block
+    assert split_tail_ctas(2048, 132, 2 * SPLIT_TAIL_MIN_BLOCKS) == 132
+    assert split_tail_ctas(133, 132, SPLIT_TAIL_MIN_BLOCKS) == 0  # 1 tile of 4 blocks: 1 CTA
+    assert split_tail_ctas(133, 132, 40) == 10

@@ -214,6 +214,58 @@ def next_tile(tile: Int32):
     return tile + (2 * (grid - cta) - 1 if (tile // grid) % 2 == 0 else 2 * cta + 1)
 
 
+# Split tail of the static walk (FwdSm90Config.split_tail: equal, non-causal tiles). The walk's
+# whole rounds (``full`` tiles, every CTA busy) run as above; the R = num_tiles - full tiles
+# left would keep only R of gridDim.x SMs busy for a tile's time. Instead their key blocks,
+# numbered unit u = t * nblk + block (t: the tail tile, 0 .. R - 1), are dealt in contiguous,
+# equal ranges to ``tail_ctas`` CTAs (R < tail_ctas <= gridDim.x, so a range is shorter than
+# a tile and touches at most two tiles). A range's part of a tile is a piece: the CTA holding
+# the tile's block 0 runs that piece last in its range and combines (its "combiner" role); the
+# others run theirs first and hand over partial results (scheduler.split_piece).
+# A walk position ``pos`` is a tile number while < full, else full + a unit number.
+@cute.jit
+def split_tail_range(tail_ctas: Int32, units: Int32):
+    """[start, end) of this CTA's units in the tail (empty past ``tail_ctas``)."""
+    cta = cute.arch.block_idx()[0]
+    ctas = cutlass.max(tail_ctas, 1)  # no split: tail_ctas = 0 and units = 0
+    return (cutlass.min(cta, ctas) * units // ctas,
+            cutlass.min(cta + 1, ctas) * units // ctas)
+
+
+def split_owner(u, tail_ctas, units):
+    """The CTA whose tail range holds unit ``u`` (the inverse of split_tail_range's deal:
+    the largest c with c * units // tail_ctas <= u). Plain arithmetic: also Python ints."""
+    return ((u + 1) * tail_ctas - 1) // units
+
+
+@cute.jit
+def split_first(full: Int32, tail_start: Int32):
+    """This CTA's first walk position: its first tile, or its tail range when it has none."""
+    tile = first_tile()
+    return tile if tile < full else full + tail_start
+
+
+@cute.jit
+def split_next(pos: Int32, full: Int32, nblk: Int32, tail_start: Int32):
+    """The walk position after ``pos``: the alternating walk's next tile, then the start of
+    this CTA's tail range, then the next tile's block 0 inside it."""
+    nxt = next_tile(pos)
+    nxt = nxt if nxt < full else full + tail_start
+    tail_next = full + ((pos - full) // nblk + 1) * nblk
+    return nxt if pos < full else tail_next
+
+
+def split_piece(pos, full, nblk, tail_end):
+    """(tile, first block, end block) of walk position ``pos``: a whole tile below ``full``,
+    else a piece of tail tile full + t. Branch-free: also Python ints (tests)."""
+    units_in = cutlass.max(pos - full, 0)  # 0 for a whole tile
+    t = units_in // nblk
+    tile = cutlass.min(pos, full) + t
+    # A whole tile's cap is nblk (full - pos >= 1); a piece's, the end of this CTA's range.
+    cap = cutlass.max(tail_end - t * nblk, cutlass.min(full - pos, 1) * nblk)
+    return tile, units_in - t * nblk, cutlass.min(nblk, cap)
+
+
 @cute.jit
 def for_each_tile(count: Int32, body, carry):
     """``carry = body(tile, carry)`` over this CTA's tiles in increasing order (blockIdx.x, then

@@ -141,6 +141,7 @@ class Barrier(enum.IntEnum):
     V_TAIL = 4        # varlen: the last V block's tail is zeroed before anyone's P V reads it
     O_FREE = 5        # cfg.own_o: the previous tile's O store has read sO (warp 4 arrives)
     TURN_WG3 = 6      # three consumer warpgroups: the third's turn (ids 2..5 were taken)
+    PARTIAL = 7       # cfg.split_tail: every consumer's partial is written / the flag seen
 
 
 class FlashFwdSm90:
@@ -155,6 +156,8 @@ class FlashFwdSm90:
             raise ValueError(f"num_consumer_wg must be one of {sorted(REGISTER_SPLIT)}, "
                              f"got {self.num_wg}")
         self.load_regs, self.consumer_regs = REGISTER_SPLIT[self.num_wg]
+        if cfg.split_tail and (causal or varlen):
+            raise ValueError("split_tail: batched non-causal only (its tiles must be equal)")
         self.num_threads = WG_THREADS * (1 + self.num_wg)
         self.num_consumer_threads = WG_THREADS * self.num_wg
         # O_FREE (own_o): the consumers and the O-storing warp; varlen's consumers store O
@@ -169,7 +172,8 @@ class FlashFwdSm90:
                  mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                  mSeqUsedK: Optional[cute.Tensor],
                  max_ctas: Optional[Int32], mTileCounter: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
+                 tail_ctas: Optional[Int32], mPartial: Optional[cute.Tensor],
+                 mTileFlags: Optional[cute.Tensor], stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
@@ -177,7 +181,11 @@ class FlashFwdSm90:
         varlen: tail_section None, sections are per sequence).
         max_ctas: persistent only (else None), the most CTAs that run at once (SMs x 1).
         mTileCounter: dynamic only (else None), one int32, zero at launch; the launch's last
-        claim zeroes it again (scheduler.claim_tile, dispatch.tile_counter)."""
+        claim zeroes it again (scheduler.claim_tile, dispatch.tile_counter).
+        tail_ctas, mPartial, mTileFlags: cfg.split_tail only (else None): the CTAs that share
+        the last round's key blocks (0: none do), one slot of fp32 partials per CTA (ctas,
+        d / 2 + 4, 128n) and one int32 flag per tail tile, zero at launch and zeroed again by
+        the tile's combiner (dispatch.split_workspace)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -226,7 +234,7 @@ class FlashFwdSm90:
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, tma_q, tma_k, tma_v, tma_o,
                     scale_log2, heads_per_section, tail_section, sQ_layout, sK_layout,
                     sV_layout, mma_qk, mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                    mTileCounter).launch(
+                    mTileCounter, tail_ctas, mPartial, mTileFlags).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def make_shared_storage(self, sQ_layout, sK_layout, sV_layout):
@@ -263,7 +271,8 @@ class FlashFwdSm90:
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
-               mTileCounter: Optional[cute.Tensor]):
+               mTileCounter: Optional[cute.Tensor], tail_ctas: Optional[Int32],
+               mPartial: Optional[cute.Tensor], mTileFlags: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -347,25 +356,38 @@ class FlashFwdSm90:
                     if const_expr(self.cfg.dynamic):
                         claimed = pipeline.make_pipeline_state(
                             pipeline.PipelineUserType.Producer, scheduler.TILE_SLOTS)
-                    tile = scheduler.first_tile()
-                    while tile < count():
-                        m_block, head, batch = coords(tile)
-                        seq, head_kv = seqlen(batch), kv_head(head)
-                        q, kv = self.load(
-                            seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
-                            seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k, tma_v,
-                            pipe_q, pipe_k, pipe_v, m_block, n_block_max(m_block, seq), q, kv)
-                        if const_expr(self.cfg.dynamic):
-                            # Claimed once this tile's loads are issued: the last V load
-                            # waited for a free stage, so the consumers are a block or two from
-                            # the end. Late enough that the tile goes to a CTA about to free,
-                            # early enough that the atomic's round trip and the next tile's
-                            # first K load hide under this tile's last blocks and epilogue.
-                            # A claim past the end is published too: it stops the consumers.
-                            tile = scheduler.claim_tile(mTileCounter, count())
-                            claimed = scheduler.publish_tile(pipe_tile, claimed, sTile, tile)
-                        else:
-                            tile = scheduler.next_tile(tile)
+                    if const_expr(self.cfg.split_tail):
+                        full, nblk, _, start, end = self.split_walk(count(), tail_ctas, mK)
+                        pos = scheduler.split_first(full, start)
+                        while pos < full + end:
+                            tile, n_lo, n_hi = scheduler.split_piece(pos, full, nblk, end)
+                            m_block, head, batch = coords(tile)
+                            seq, head_kv = seqlen(batch), kv_head(head)
+                            q, kv = self.load(
+                                seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
+                                seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k,
+                                tma_v, pipe_q, pipe_k, pipe_v, m_block, n_hi, q, kv, n_lo)
+                            pos = scheduler.split_next(pos, full, nblk, start)
+                    else:
+                        tile = scheduler.first_tile()
+                        while tile < count():
+                            m_block, head, batch = coords(tile)
+                            seq, head_kv = seqlen(batch), kv_head(head)
+                            q, kv = self.load(
+                                seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
+                                seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k, tma_v,
+                                pipe_q, pipe_k, pipe_v, m_block, n_block_max(m_block, seq), q, kv)
+                            if const_expr(self.cfg.dynamic):
+                                # Claimed once this tile's loads are issued: the last V load
+                                # waited for a free stage, so the consumers are a block or two from
+                                # the end. Late enough that the tile goes to a CTA about to free,
+                                # early enough that the atomic's round trip and the next tile's
+                                # first K load hide under this tile's last blocks and epilogue.
+                                # A claim past the end is published too: it stops the consumers.
+                                tile = scheduler.claim_tile(mTileCounter, count())
+                                claimed = scheduler.publish_tile(pipe_tile, claimed, sTile, tile)
+                            else:
+                                tile = scheduler.next_tile(tile)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 q, kv = self.pipeline_states(pipeline.PipelineUserType.Consumer)
@@ -375,17 +397,40 @@ class FlashFwdSm90:
                 self.first_turn()
                 self.free_o()  # sO has no store in flight before the first tile
                 num_tiles = count()
-                tile = scheduler.first_tile()
-                while tile < num_tiles:
-                    m_block, head, batch = coords(tile)
-                    seq = seqlen(batch)
-                    q, kv = self.consume(
-                        mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k, pipe_v,
-                        scale_log2, m_block, head, batch, n_block_max(m_block, seq), seq, q, kv)
-                    if const_expr(self.cfg.dynamic):
-                        tile, claimed = scheduler.receive_tile(pipe_tile, claimed, sTile)
-                    else:
-                        tile = scheduler.next_tile(tile)
+                if const_expr(self.cfg.split_tail):
+                    full, nblk, units, start, end = self.split_walk(num_tiles, tail_ctas, mK)
+                    pos = scheduler.split_first(full, start)
+                    while pos < full + end:
+                        tile, n_lo, n_hi = scheduler.split_piece(pos, full, nblk, end)
+                        m_block, head, batch = coords(tile)
+                        q, kv = self.consume(
+                            mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k,
+                            pipe_v, scale_log2, m_block, head, batch, n_hi, seqlen(batch), q,
+                            kv, (n_lo, nblk, tile - full, units, tail_ctas, mPartial,
+                                 mTileFlags))
+                        pos = scheduler.split_next(pos, full, nblk, start)
+                else:
+                    tile = scheduler.first_tile()
+                    while tile < num_tiles:
+                        m_block, head, batch = coords(tile)
+                        seq = seqlen(batch)
+                        q, kv = self.consume(
+                            mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k, pipe_v,
+                            scale_log2, m_block, head, batch, n_block_max(m_block, seq), seq, q, kv)
+                        if const_expr(self.cfg.dynamic):
+                            tile, claimed = scheduler.receive_tile(pipe_tile, claimed, sTile)
+                        else:
+                            tile = scheduler.next_tile(tile)
+
+    @cute.jit
+    def split_walk(self, num_tiles: Int32, tail_ctas: Int32, mK: cute.Tensor):
+        """cfg.split_tail: (full, nblk, units, start, end): the tiles of the whole rounds,
+        the key blocks per tile, the tail's units and this CTA's range of them."""
+        full = num_tiles - num_tiles % cute.arch.grid_dim()[0] * cutlass.min(tail_ctas, 1)
+        nblk = (mK.shape[0] + self.tile_n - 1) // self.tile_n  # batched: one seqlen_k
+        units = (num_tiles - full) * nblk
+        start, end = scheduler.split_tail_range(tail_ctas, units)
+        return full, nblk, units, start, end
 
     def pipeline_states(self, user_type):
         """(Q, K/V) pipeline states at their first stage. K and V advance together: block i
@@ -397,10 +442,11 @@ class FlashFwdSm90:
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
              sK: cute.Tensor, sV: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
              tma_v: cute.CopyAtom, pipe_q, pipe_k, pipe_v, m_block: Int32, n_max: Int32, q,
-             kv):
+             kv, n_lo=0):
         """Producer: K[last], Q, then K[n-1] ahead of V[n], matching the consumers' order.
         mQ, mK, mV: (rows, d) views of this tile's head and sequence; q, kv: the states of its
-        first Q and K/V stages. Returns those of the next tile."""
+        first Q and K/V stages; key blocks n_lo .. n_max - 1 (a split tail's piece: n_lo > 0
+        or n_max short of the tile's). Returns the states of the next tile."""
         gQ = cute.local_tile(mQ, (self.tile_m, self.d), (m_block, 0))
         gK = cute.local_tile(mK, (self.tile_n, self.d), (None, 0))
         gV = cute.local_tile(mV, (self.tile_n, self.d), (None, 0))
@@ -413,7 +459,7 @@ class FlashFwdSm90:
                   tma_bar_ptr=pipe_k.producer_get_barrier(kv))
         pipe_q.producer_acquire(q)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q))
-        for i in cutlass.range(n_max - 1, unroll=1):
+        for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
             n_prev = n_max - 1 - i
             kv_prev = kv.clone()
             kv.advance()
@@ -424,7 +470,7 @@ class FlashFwdSm90:
             cute.copy(tma_v, tVgV[None, n_prev], tVsV[None, kv_prev.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(kv_prev))
         pipe_v.producer_acquire(kv)
-        cute.copy(tma_v, tVgV[None, 0], tVsV[None, kv.index],
+        cute.copy(tma_v, tVgV[None, n_lo], tVsV[None, kv.index],
                   tma_bar_ptr=pipe_v.producer_get_barrier(kv))
         q.advance()
         kv.advance()
@@ -435,9 +481,11 @@ class FlashFwdSm90:
                 mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                 sO: cute.Tensor, tma_o: Optional[cute.CopyAtom], pipe_q, pipe_k, pipe_v,
                 scale_log2: Float32, m_block: Int32, head: Int32, batch: Int32, n_max: Int32,
-                seq: SeqlenInfo, q, kv):
+                seq: SeqlenInfo, q, kv, piece=None):
         """Consumer warpgroups: the attention main loop, then the epilogue. q, kv: the states
-        of the tile's first Q and K/V stages; returns those of the next tile."""
+        of the tile's first Q and K/V stages; returns those of the next tile. ``piece``
+        (cfg.split_tail): (n_lo, nblk, tail tile, units, tail_ctas, mPartial, mTileFlags):
+        key blocks n_lo .. n_max - 1 of the tile's nblk, handed over or merged (below)."""
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         if const_expr(self.varlen and self.cfg.skip_empty_wg and self.cfg.persistent):
             # Read afresh per tile: with the skip's branch the hoisted index stayed live across
@@ -451,14 +499,30 @@ class FlashFwdSm90:
         has_rows = True  # cfg.skip_empty_wg: a warpgroup past seqlen_q only keeps its place
         if const_expr(self.cfg.skip_empty_wg):
             has_rows = m_block * self.tile_m + wg * WG_ROWS < seq.seqlen_q
+        n_lo = 0 if const_expr(piece is None) else piece[0]
         if has_rows:
             kv = self.mainloop(mma_qk, mma_pv, tOrO, softmax, sQ, sK, sV, pipe_q, pipe_k,
-                               pipe_v, m_block, n_max, seq, wg, tidx, q, kv)
+                               pipe_v, m_block, n_max, seq, wg, tidx, q, kv, n_lo)
         else:
-            kv = self.pass_blocks(sV, pipe_q, pipe_k, pipe_v, n_max, seq, wg, tidx, q, kv)
+            kv = self.pass_blocks(sV, pipe_q, pipe_k, pipe_v, n_max, seq, wg, tidx, q, kv,
+                                  n_lo)
 
-        self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, tma_o, tidx, m_block, head, batch,
-                      seq, pipe_q, q)
+        if const_expr(piece is None):
+            self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, tma_o, tidx, m_block, head,
+                          batch, seq, pipe_q, q)
+        else:
+            _, nblk, t, units, tail_ctas, mPartial, mTileFlags = piece
+            if n_lo > 0:  # a later piece: hand it over, the tile's first piece stores O
+                self.store_partial(tOrO, softmax, mPartial, mTileFlags, t, tidx, has_rows,
+                                   pipe_q, q)
+            else:
+                if n_max < nblk:  # the tile's first piece: merge the later ones
+                    others = scheduler.split_owner((t + 1) * nblk - 1, tail_ctas, units) \
+                        - cute.arch.block_idx()[0]
+                    self.merge_partials(tOrO, softmax, mPartial, mTileFlags, t, others, tidx,
+                                        has_rows)
+                self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, tma_o, tidx, m_block,
+                              head, batch, seq, pipe_q, q)
         q.advance()
         kv.advance()
         return q, kv
@@ -467,9 +531,9 @@ class FlashFwdSm90:
     def mainloop(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tOrO: cute.Tensor,
                  softmax: OnlineSoftmax, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  pipe_q, pipe_k, pipe_v, m_block: Int32, n_max: Int32, seq: SeqlenInfo,
-                 wg: Int32, tidx: Int32, q, kv):
-        """A warpgroup's key blocks, last first, into O (unnormalized) and the softmax's row
-        statistics. Returns the state of the tile's last K/V stage."""
+                 wg: Int32, tidx: Int32, q, kv, n_lo=0):
+        """A warpgroup's key blocks n_lo .. n_max - 1, last first, into O (unnormalized) and
+        the softmax's row statistics. Returns the state of the tile's last K/V stage."""
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         wg_mma_qk = mma_qk.get_slice(wg * WG_THREADS)
         wg_mma_pv = mma_pv.get_slice(wg * WG_THREADS)
@@ -518,7 +582,7 @@ class FlashFwdSm90:
             for i in cutlass.range(n_max - 1 - n_unmasked_end, unroll=1):
                 kv = self.mma_block(n_max - 2 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ,
                                     tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, mask)
-        for i in cutlass.range(n_unmasked_end, unroll=1):
+        for i in cutlass.range(n_unmasked_end - n_lo, unroll=1):
             kv = self.mma_block(n_unmasked_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
                                 tSrQ, tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, None)
 
@@ -534,7 +598,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def pass_blocks(self, sV: cute.Tensor, pipe_q, pipe_k, pipe_v, n_max: Int32,
-                    seq: SeqlenInfo, wg: Int32, tidx: Int32, q, kv):
+                    seq: SeqlenInfo, wg: Int32, tidx: Int32, q, kv, n_lo=0):
         """cfg.skip_empty_wg: the mainloop of a warpgroup whose rows all lie past seqlen_q.
         Each stage is waited on before it is released (an early arrive would count towards
         the previous round's phase and free a stage still being read); it takes its ping-pong
@@ -547,7 +611,7 @@ class FlashFwdSm90:
         pipe_k.consumer_release(kv)
         if const_expr(self.varlen):
             self.zero_v_tail(sV, pipe_v, kv, n_max, seq.seqlen_k, tidx)
-        for i in cutlass.range(n_max - 1, unroll=1):
+        for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
             pipe_v.consumer_wait(kv)
             pipe_v.consumer_release(kv)
             kv.advance()
@@ -740,6 +804,82 @@ class FlashFwdSm90:
                     # The other warps' last sQ reads (QK^T) precede their sO writes, which
                     # precede the EPILOGUE barrier: this warp alone may release Q.
                     pipe_q.consumer_release(q)
+
+    @cute.jit
+    def store_partial(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
+                      mTileFlags: cute.Tensor, t: Int32, tidx: Int32, has_rows, pipe_q, q):
+        """cfg.split_tail, a tile's later piece: this thread's O (unnormalized, row by row),
+        row max and row sum -> its CTA's slot (thread-fastest: coalesced, and the merging
+        thread of the same index reads them in its own layout), then one release-add on the
+        tile's flag. Stores no O; persistent without own_o, warp 4 still frees sQ."""
+        if has_rows:
+            o_mn = acc_as_mn(tOrO)
+            o_rows, stats = self.slot_views(mPartial, cute.arch.block_idx()[0], o_mn, tidx)
+            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                o_rows[None, r].store(o_mn[r, None].load())
+                stats[0, r] = softmax.row_max[r]
+                stats[1, r] = softmax.row_sum[r]
+        cute.arch.barrier(barrier_id=int(Barrier.PARTIAL),
+                          number_of_threads=self.num_consumer_threads)
+        if tidx == 0:  # after the barrier: releases every consumer's stores (cumulative)
+            cute.arch.red(mTileFlags.iterator + t, Int32(1), op="add", dtype=Int32,
+                          sem="release", scope="gpu")
+        if const_expr(not self.cfg.own_o):
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
+                pipe_q.consumer_release(q)  # every consumer's QK^T is done (the barrier)
+
+    @cute.jit
+    def merge_partials(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
+                       mTileFlags: cute.Tensor, t: Int32, others: Int32, tidx: Int32,
+                       has_rows):
+        """cfg.split_tail, a tile's first piece (its CTA's last): wait until the ``others``
+        later pieces (CTAs blockIdx + 1 ..) have handed theirs over, zero the flag for the
+        next launch, and fold each into O and the row statistics as the online softmax folds
+        a key block: both sides rescaled to the larger max. The writers run their pieces
+        first in their ranges and never wait, so the wait ends (all CTAs are resident)."""
+        if tidx == 0:
+            flag = mTileFlags.iterator + t
+            seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+            while seen != others:
+                seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+            mTileFlags[t] = Int32(0)
+        cute.arch.barrier(barrier_id=int(Barrier.PARTIAL),
+                          number_of_threads=self.num_consumer_threads)
+        if has_rows:
+            self.fold_partials(tOrO, softmax, mPartial, others, tidx)
+
+    @cute.jit
+    def fold_partials(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
+                      others: Int32, tidx: Int32):
+        """merge_partials' arithmetic, for one thread's rows."""
+        cute.arch.fence_acq_rel_gpu()  # this thread's loads see the writers' stores
+        o_mn = acc_as_mn(tOrO)
+        row_max, row_sum, scale_log2 = softmax.row_max, softmax.row_sum, softmax.scale_log2
+        for p in cutlass.range(others, unroll=1):
+            o_rows, stats = self.slot_views(mPartial, cute.arch.block_idx()[0] + 1 + p, o_mn,
+                                            tidx)
+            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+                m_own, m_other = row_max[r], stats[0, r]
+                m_new = cute.arch.fmax(m_own, m_other)
+                m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
+                a_own = cute.math.exp2((m_own - m_safe) * scale_log2, fastmath=True)
+                a_other = cute.math.exp2((m_other - m_safe) * scale_log2, fastmath=True)
+                row_max[r] = m_new
+                row_sum[r] = row_sum[r] * a_own + stats[1, r] * a_other
+                o_mn[r, None].store(o_mn[r, None].load() * a_own
+                                    + o_rows[None, r].load() * a_other)
+
+    @staticmethod
+    def slot_views(mPartial: cute.Tensor, cta, o_mn: cute.Tensor, tidx):
+        """A thread's view of CTA ``cta``'s slot: O as (cols, rows) and (max / sum, rows)."""
+        rows, cols = cute.size(o_mn, mode=[0]), cute.size(o_mn, mode=[1])
+        slot = mPartial[cta, None, tidx]  # d / 2 + 4 values, one per thread-stride
+        # O's columns keep the accumulator's nested shape, so a row loads as one TensorSSA.
+        o_rows = cute.make_tensor(slot.iterator, cute.composition(
+            slot.layout, cute.make_layout((o_mn.shape[1], rows))))
+        stats = cute.make_tensor(slot.iterator + rows * cols * slot.stride[0], cute.composition(
+            slot.layout, cute.make_layout((2, rows), stride=(rows, 1))))
+        return o_rows, stats
 
     @cute.jit
     def free_o(self):
