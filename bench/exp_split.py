@@ -21,7 +21,8 @@ WALK = dispatch.PERSISTENT_FWD_ENV
 
 
 def run(q, k, v, causal=False, split=True, ctas=None):
-    os.environ[SPLIT] = "auto" if split else "0"
+    """split: True ("all": every head dim), False ("0": the plain kernel) or a mode."""
+    os.environ[SPLIT] = {True: "all", False: "0"}.get(split, split)
     os.environ[WALK] = f"ctas={ctas}" if ctas else "auto"
     try:
         return dispatch.fwd(q, k, v, softmax_scale=q.shape[-1] ** -0.5, causal=causal)
@@ -64,13 +65,19 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--modes", default="auto,0", help="FLASH_CUTE_FWD_SPLIT_TAIL values timed")
+    p.add_argument("--big-check", default="", help="d:s cells checked at the timed shape")
     p.add_argument("--cells", default="128:1024,128:4096,128:16384,64:4096,64:16384,"
                                       "256:16384,128:8192:32,128:8192:33")
     args = p.parse_args()
-    for c in CHECKS:
+    for cell in filter(None, args.big_check.split(",")):
+        d, s = (int(x) for x in cell.split(":"))
+        check(d, max(1, 16384 // s), s, s, 2048 // d, 2048 // d)
+    for c in CHECKS if not args.big_check else []:
         check(*c)
-    check(128, 2, 1000, 3001, 6, 2, 5, strided=True)
-    check(128, 2, 1000, 3001, 6, 2, 5, dtype=torch.float16)
+    if not args.big_check:
+        check(128, 2, 1000, 3001, 6, 2, 5, strided=True)
+        check(128, 2, 1000, 3001, 6, 2, 5, dtype=torch.float16)
     if args.check_only:
         return
     timing = Timing(reps=10, warmup=3)
@@ -82,18 +89,19 @@ def main():
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
         cells.append((cell, q, k, v, attn_flops(b, s, h, d, False, "fwd")))
-    res = {c[0]: {True: [], False: []} for c in cells}
-    for _ in range(args.rounds):
+    modes = args.modes.split(",")
+    res = {c[0]: {m: [] for m in modes} for c in cells}
+    for rnd in range(args.rounds):
         for cell, q, k, v, flops in cells:
-            for split in (True, False):
-                ms, _ = time_ms(lambda: run(q, k, v, split=split), timing)
-                res[cell][split].append(tflops(flops, ms))
-    print("cell            split TFLOP/s (per round)        plain              ratio (medians)")
+            for mode in (modes if rnd % 2 == 0 else modes[::-1]):  # no favoured position
+                ms, _ = time_ms(lambda: run(q, k, v, split=mode), timing)
+                res[cell][mode].append(tflops(flops, ms))
+    print(f"TFLOP/s per round, modes {' | '.join(modes)}; medians; ratios to the last mode")
     for cell, r in res.items():
-        med = {s: sorted(x)[len(x) // 2] for s, x in r.items()}
-        print(f"{cell:14s} {' '.join(f'{x:5.0f}' for x in r[True])} | "
-              f"{' '.join(f'{x:5.0f}' for x in r[False])} | {med[True] / med[False]:.3f}")
-
+        med = {m: sorted(x)[len(x) // 2] for m, x in r.items()}
+        rounds = " | ".join(" ".join(f"{x:4.0f}" for x in r[m]) for m in modes)
+        print(f"{cell:12s} {rounds} || {' '.join(f'{med[m]:4.0f}' for m in modes)} || "
+              f"{' '.join(f'{med[m] / med[modes[-1]]:.3f}' for m in modes[:-1])}")
 
 if __name__ == "__main__":
     main()

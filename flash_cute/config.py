@@ -232,6 +232,12 @@ def fwd_config(d: int, causal: bool, persistent: bool = False, dynamic: bool = F
 # first K block before any overlap, the hand-over of d/2 + 4 floats per thread), about a key
 # block or two: pieces shorter than this many blocks are not worth cutting.
 SPLIT_TAIL_MIN_BLOCKS = 4
+# Where the split kernel is chosen (H100, session 36, bench/exp_split.py with the modes in
+# alternating order, medians of 10 rounds, split / plain TFLOP/s): d=192 16k 764 / 734, d=256
+# 16k 792 / 771 and 15360 tokens (36 tiles in the last round) 782 / 709; flat at d=128 (16k
+# 720 / 715, 4k 629 / 636) and d=64 (4k 463 / 464), where the pieces' fixed cost (Q, the first
+# K block, the hand-over) takes what the idle SMs gave back.
+SPLIT_TAIL_HEAD_DIMS = (192, 256)
 
 
 def split_tail_ctas(num_tiles: int, ctas: int, nblk: int) -> int:

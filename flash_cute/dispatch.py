@@ -22,7 +22,8 @@ import torch
 from .config import (SUPPORTED_HEAD_DIMS, VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config,
                      fwd_config, fwd_l2_budget, fwd_overrides, fwd_own_o, fwd_tile_m,
                      heads_per_section, l2_sections, narrow_fwd, persistent_fwd_order,
-                     persistent_fwd_overrides, persistent_fwd_walk, split_tail_ctas)
+                     persistent_fwd_overrides, persistent_fwd_walk, SPLIT_TAIL_HEAD_DIMS,
+                     split_tail_ctas)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
@@ -36,9 +37,12 @@ _cache_lock = threading.Lock()
 # set; unset they always walk (config.VARLEN_FWD_PERSISTENT_AUTO).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 # Split tail of the static walk (FwdSm90Config.split_tail). "auto": where
-# config.split_tail_ctas finds it worth it; "0": never (A/B runs). Unset: SPLIT_TAIL_DEFAULT.
+# config.split_tail_ctas finds it worth it; "0": never (A/B runs); "kernel": the split
+# kernel wherever auto would take it, run with no split (its cost without the gain); "all":
+# as auto, at every head dim (config.SPLIT_TAIL_HEAD_DIMS limits auto).
+# Unset: SPLIT_TAIL_DEFAULT.
 SPLIT_TAIL_ENV = "FLASH_CUTE_FWD_SPLIT_TAIL"
-SPLIT_TAIL_DEFAULT = "0"  # not yet checked on a GPU
+SPLIT_TAIL_DEFAULT = "auto"
 
 
 def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
@@ -288,9 +292,9 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     ctas, dynamic = _persistent_ctas(q.device, d, causal, sq, b * h, tile_m) or (None, False)
     own_o = fwd_own_o(d, causal, sk)
     num_tiles = -(-sq // tile_m) * b * h
-    tail = 0
-    if ctas is not None and not dynamic and not causal \
-            and os.environ.get(SPLIT_TAIL_ENV, SPLIT_TAIL_DEFAULT) != "0":
+    tail, split_mode = 0, os.environ.get(SPLIT_TAIL_ENV, SPLIT_TAIL_DEFAULT)
+    if (ctas is not None and not dynamic and not causal and split_mode != "0"
+            and (d in SPLIT_TAIL_HEAD_DIMS or split_mode == "all")):
         cfg = fwd_config(d, False, persistent=True, own_o=own_o, split=True)
         tail = split_tail_ctas(num_tiles, ctas, -(-sk // cfg.tile_n))
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
@@ -298,7 +302,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
                             own_o=own_o, split=tail > 0)
     sections = l2_sections(sk, d, q.element_size(), b * h, num_tiles // (b * h),
                            ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
-    split = (tail, *split_workspace(q.device, cfg, min(ctas, num_tiles))) if tail else ()
+    split = ()
+    if tail:
+        split = ((0 if split_mode == "kernel" else tail),
+                 *split_workspace(q.device, cfg, min(ctas, num_tiles)))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            *sections, *NO_VARLEN, ctas, tile_counter(q.device) if dynamic else None,
            *(split or (None,) * 3))

@@ -317,6 +317,46 @@ def test_forward_dynamic_tile_order(d, causal, monkeypatch):
         assert torch.equal(out, expected)
 
 
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in has no tile order")
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_forward_split_tail(d, monkeypatch):
+    """The static walk's split tail (FwdSm90Config.split_tail) against the oracle, with few
+    CTAs so the last round's tiles are cut into many pieces (ragged keys, GQA); bitwise the
+    same on repeats, on two streams at once (a workspace each) and under CUDA graph replay
+    (a fresh zeroed flag array captured with the launch); the stream's flags end zeroed."""
+    q, k, v = qkv_inputs(2, 900, 2500, 6, 3, d, seed=23)
+    monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, "all")
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "ctas=7")  # 60-96 tiles: 4-5 left over
+    expected, _ = run_and_check(q, k, v)
+    for _ in range(3):
+        _poison_allocator(256 << 20)
+        assert torch.equal(flash_attn_func(q, k, v), expected)
+    torch.cuda.synchronize()
+    assert not any(ws[1].any() for ws in dispatch._SPLIT_WORKSPACES.values())
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for i in range(6):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(flash_attn_func(q, k, v))
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, expected) for o in outs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_func(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v)
+    for _ in range(3):
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
 @pytest.mark.skipif(_ON_CPU, reason="the stand-in's reference path may synchronize")
 @pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, True)])
 def test_training_step_never_waits_for_the_gpu(d, causal):

@@ -53,6 +53,14 @@ zeroes it again, so one counter per stream serves every call (dispatch.tile_coun
           lane 0: slot[s] = tile; arrive full[s]   arrive empty[s]
           s = s + 1 mod 2; stop past the end       s = s + 1 mod 2; stop past the end
 
+Split tail (``cfg.split_tail``, on top of the static walk; batched non-causal): the tiles left
+after the walk's whole rounds are cut along key blocks into pieces for up to every CTA
+(common/scheduler.py, "Split tail"). Every role walks the same pieces; a piece is a tile with
+a key-block range. The consumers of a later piece store their O (unnormalized), row max and
+row sum to the CTA's fp32 slot and signal the tile's flag (PARTIAL barrier, then thread 0's
+release-add); those of the tile's first piece, their CTA's last, wait for the flag to count
+the others (thread 0's acquire spin, PARTIAL), fold the slots in and run the epilogue.
+
 Pipelines (cutlass.pipeline.PipelineTmaAsync: full barrier = 1 producer arrive + TMA bytes,
 empty barrier = one arrive per consumer warp):
 
