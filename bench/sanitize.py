@@ -22,11 +22,12 @@ def grads(q, k, v, dout, causal, upcast):
     return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
 
 
-def check(d, causal, sq, sk, persistent="auto", backward=True):
+def check(d, causal, sq, sk, persistent="auto", backward=True, split="auto"):
     """One call checked against the oracle; ``backward=False``: the forward alone, so that
     racecheck sees no backward kernel (whose staggered dQ hand-off it reports,
-    docs/performance.md session 6)."""
+    docs/performance.md session 6). ``split``: FLASH_CUTE_FWD_SPLIT_TAIL."""
     os.environ["FLASH_CUTE_FWD_PERSISTENT"] = persistent
+    os.environ["FLASH_CUTE_FWD_SPLIT_TAIL"] = split
     q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
     k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16,
                         requires_grad=backward) for _ in range(2))
@@ -100,11 +101,16 @@ CASES = {
     "fwd_qregs": lambda: (check(128, False, 900, 700, persistent="ctas=5", backward=False),
                           check(128, True, 900, 900, persistent="dyn:ctas=5", backward=False),
                           check_varlen(128, True)),
+    # The static walk's split tail at every head dim family, 5 CTAs: 12-16 tiles leave 1-2
+    # for the last round, cut into 5 pieces of 4 key blocks (the fp32 slots, the flags).
+    "fwd_split": lambda: [check(d, False, sq, 2500, persistent="ctas=5", backward=False,
+                                split="all") for d, sq in ((64, 1000), (128, 900), (256, 900))],
     "varlen128c": lambda: check_varlen(128, True),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
-           "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "fwd_qregs", "varlen128c")
+           "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "fwd_qregs", "fwd_split",
+           "varlen128c")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:
