@@ -109,7 +109,7 @@ slots: 40 bytes) sit below sQ's 1 KB alignment.
 """
 import enum
 from functools import partial
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -150,6 +150,19 @@ class Barrier(enum.IntEnum):
     O_FREE = 5        # cfg.own_o: the previous tile's O store has read sO (warp 4 arrives)
     TURN_WG3 = 6      # three consumer warpgroups: the third's turn (ids 2..5 were taken)
     PARTIAL = 7       # cfg.split_tail: every consumer's partial is written / the flag seen
+
+
+class SplitPiece(NamedTuple):
+    """cfg.split_tail: what a consumer needs of its piece beyond the tile (the key blocks
+    n_lo .. n_max - 1 of the tile's nblk; tail_tile: the tile's index in the last round, its
+    flag) to hand the piece over or merge the others (scheduler.split_owner's arguments)."""
+    n_lo: Int32
+    nblk: Int32
+    tail_tile: Int32
+    units: Int32
+    tail_ctas: Int32
+    mPartial: cute.Tensor
+    mTileFlags: cute.Tensor
 
 
 class FlashFwdSm90:
@@ -414,8 +427,8 @@ class FlashFwdSm90:
                         q, kv = self.consume(
                             mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k,
                             pipe_v, scale_log2, m_block, head, batch, n_hi, seqlen(batch), q,
-                            kv, (n_lo, nblk, tile - full, units, tail_ctas, mPartial,
-                                 mTileFlags))
+                            kv, SplitPiece(n_lo, nblk, tile - full, units, tail_ctas,
+                                           mPartial, mTileFlags))
                         pos = scheduler.split_next(pos, full, nblk, start)
                 else:
                     tile = scheduler.first_tile()
@@ -492,8 +505,7 @@ class FlashFwdSm90:
                 seq: SeqlenInfo, q, kv, piece=None):
         """Consumer warpgroups: the attention main loop, then the epilogue. q, kv: the states
         of the tile's first Q and K/V stages; returns those of the next tile. ``piece``
-        (cfg.split_tail): (n_lo, nblk, tail tile, units, tail_ctas, mPartial, mTileFlags):
-        key blocks n_lo .. n_max - 1 of the tile's nblk, handed over or merged (below)."""
+        (cfg.split_tail): a SplitPiece, its blocks handed over or merged (below)."""
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         if const_expr(self.varlen and self.cfg.skip_empty_wg and self.cfg.persistent):
             # Read afresh per tile: with the skip's branch the hoisted index stayed live across
@@ -507,7 +519,7 @@ class FlashFwdSm90:
         has_rows = True  # cfg.skip_empty_wg: a warpgroup past seqlen_q only keeps its place
         if const_expr(self.cfg.skip_empty_wg):
             has_rows = m_block * self.tile_m + wg * WG_ROWS < seq.seqlen_q
-        n_lo = 0 if const_expr(piece is None) else piece[0]
+        n_lo = 0 if const_expr(piece is None) else piece.n_lo
         if has_rows:
             kv = self.mainloop(mma_qk, mma_pv, tOrO, softmax, sQ, sK, sV, pipe_q, pipe_k,
                                pipe_v, m_block, n_max, seq, wg, tidx, q, kv, n_lo)
@@ -519,16 +531,16 @@ class FlashFwdSm90:
             self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, tma_o, tidx, m_block, head,
                           batch, seq, pipe_q, q)
         else:
-            _, nblk, t, units, tail_ctas, mPartial, mTileFlags = piece
+            t, nblk = piece.tail_tile, piece.nblk
             if n_lo > 0:  # a later piece: hand it over, the tile's first piece stores O
-                self.store_partial(tOrO, softmax, mPartial, mTileFlags, t, tidx, has_rows,
-                                   pipe_q, q)
+                self.store_partial(tOrO, softmax, piece.mPartial, piece.mTileFlags, t, tidx,
+                                   has_rows, pipe_q, q)
             else:
                 if n_max < nblk:  # the tile's first piece: merge the later ones
-                    others = scheduler.split_owner((t + 1) * nblk - 1, tail_ctas, units) \
-                        - cute.arch.block_idx()[0]
-                    self.merge_partials(tOrO, softmax, mPartial, mTileFlags, t, others, tidx,
-                                        has_rows)
+                    last_owner = scheduler.split_owner((t + 1) * nblk - 1, piece.tail_ctas,
+                                                       piece.units)
+                    self.merge_partials(tOrO, softmax, piece.mPartial, piece.mTileFlags, t,
+                                        last_owner - cute.arch.block_idx()[0], tidx, has_rows)
                 self.epilogue(mma_pv, tOrO, softmax, mO, mLSE, sO, tma_o, tidx, m_block,
                               head, batch, seq, pipe_q, q)
         q.advance()
