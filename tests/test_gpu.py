@@ -289,27 +289,40 @@ def test_forward_dynamic_tile_order(d, causal, monkeypatch):
         assert torch.equal(flash_attn_func(q, k, v, causal=causal), expected), mode
     torch.cuda.synchronize()
     assert not dispatch.tile_counter(q.device).any(), dispatch.tile_counter(q.device)
+    call = lambda: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=3")
+    check_on_two_streams(call, expected)
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=7")
+    check_graph_replay(call, expected)
+
+
+def check_on_two_streams(call, expected):
+    """Six calls alternating between two side streams, back to back: each stream keeps its
+    own per-stream buffers (dispatch.tile_counter, split_workspace), so all match."""
     streams = [torch.cuda.Stream() for _ in range(2)]
     for stream in streams:
         stream.wait_stream(torch.cuda.current_stream())
     outs = []
     for i in range(6):
         with torch.cuda.stream(streams[i % 2]):
-            # the counter's key: the raw handle must name the stream torch launches on
-            assert dispatch._raw_stream(q.device.index) == streams[i % 2].cuda_stream
-            outs.append(flash_attn_func(q, k, v, causal=causal))
+            # the buffers' key: the raw handle must name the stream torch launches on
+            assert dispatch._raw_stream(torch.cuda.current_device()) == streams[i % 2].cuda_stream
+            outs.append(call())
     torch.cuda.synchronize()
     assert all(torch.equal(o, expected) for o in outs)
-    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "dyn:ctas=7")
+
+
+def check_graph_replay(call, expected):
+    """The call captured in a CUDA graph (fresh zeroed buffers captured with the launch),
+    replayed three times into a NaN-filled output."""
     side = torch.cuda.Stream()  # capture needs a side stream; warm up there first
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        flash_attn_func(q, k, v, causal=causal)
+        call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = flash_attn_func(q, k, v, causal=causal)
+        out = call()
     for _ in range(3):
         out.fill_(math.nan)
         graph.replay()
@@ -333,28 +346,9 @@ def test_forward_split_tail(d, monkeypatch):
         assert torch.equal(flash_attn_func(q, k, v), expected)
     torch.cuda.synchronize()
     assert not any(ws[1].any() for ws in dispatch._SPLIT_WORKSPACES.values())
-    streams = [torch.cuda.Stream() for _ in range(2)]
-    for stream in streams:
-        stream.wait_stream(torch.cuda.current_stream())
-    outs = []
-    for i in range(6):
-        with torch.cuda.stream(streams[i % 2]):
-            outs.append(flash_attn_func(q, k, v))
-    torch.cuda.synchronize()
-    assert all(torch.equal(o, expected) for o in outs)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        flash_attn_func(q, k, v)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flash_attn_func(q, k, v)
-    for _ in range(3):
-        out.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
+    call = lambda: flash_attn_func(q, k, v)  # noqa: E731
+    check_on_two_streams(call, expected)
+    check_graph_replay(call, expected)
 
 
 @pytest.mark.skipif(_ON_CPU, reason="the stand-in's reference path may synchronize")
