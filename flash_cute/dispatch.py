@@ -65,6 +65,8 @@ def compile_cache_size() -> int:
 # The kernels' four varlen arguments (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) when
 # batched: one constant for the compile-time signature and every launch, so they cannot drift.
 NO_VARLEN = (None,) * 4
+# split_tail's three arguments (tail_ctas, partials, flags) for every launch without a split.
+NO_SPLIT = (None,) * 3
 
 
 def _fake_args(dtype_name: str, d: int, varlen: bool = False):
@@ -112,14 +114,23 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen)
+    return compile_kernel(kernel, fwd_compile_args(dtype_name, cfg, varlen), keep_cubin)
+
+
+def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool):
+    """The forward's arguments at compile time (fake tensors, runtime scalars), in the order
+    of FlashFwdSm90.__call__ less its stream; a launch passes None exactly where these are None
+    (tests/test_launch_args.py)."""
+    import cutlass
+
+    d = cfg.head_dim
     tensors, varlen_args = _fake_args(dtype_name, d, varlen)
     max_ctas = cutlass.Int32(1) if cfg.persistent else None  # a runtime value: any SM count
     counter = _fake_tile_counter() if cfg.dynamic else None
     # Runtime values (config.l2_sections); varlen has no tail section (sections per sequence).
     sections = (cutlass.Int32(1), None if varlen else cutlass.Int32(1))
-    split = _fake_split_args(cfg) if cfg.split_tail else (None,) * 3
-    args = (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter, *split)
-    return compile_kernel(kernel, args, keep_cubin)
+    split = _fake_split_args(cfg) if cfg.split_tail else NO_SPLIT
+    return (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter, *split)
 
 
 def _split_slot_shape(cfg: FwdSm90Config):
@@ -308,7 +319,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
                  *split_workspace(q.device, cfg, min(ctas, num_tiles)))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            *sections, *NO_VARLEN, ctas, tile_counter(q.device) if dynamic else None,
-           *(split or (None,) * 3))
+           *(split or NO_SPLIT))
     return out, lse
 
 
@@ -393,7 +404,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
                                 fwd_l2_budget(causal))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            section, None, cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
-           tile_counter(q.device) if dynamic else None)
+           tile_counter(q.device) if dynamic else None, *NO_SPLIT)
     return out, lse
 
 
