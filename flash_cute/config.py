@@ -232,22 +232,29 @@ def fwd_config(d: int, causal: bool, persistent: bool = False, dynamic: bool = F
 # first K block before any overlap, the hand-over of d/2 + 4 floats per thread), about a key
 # block or two: pieces shorter than this many blocks are not worth cutting.
 SPLIT_TAIL_MIN_BLOCKS = 4
-# Where the split kernel is chosen (H100, session 36, bench/exp_split.py with the modes in
-# alternating order, medians of 10 rounds, split / plain TFLOP/s): d=192 16k 764 / 734, d=256
-# 16k 792 / 771 and 15360 tokens (36 tiles in the last round) 782 / 709; flat at d=128 (16k
-# 720 / 715, 4k 629 / 636) and d=64 (4k 463 / 464), where the pieces' fixed cost (Q, the first
-# K block, the hand-over) takes what the idle SMs gave back.
-SPLIT_TAIL_HEAD_DIMS = (192, 256)
+# Where auto splits: the last round's predicted idle share of the call, (P - R) / (P (W + 1))
+# for R tiles left after W whole rounds of P CTAs, at least this much per head dim (absent:
+# never). Split / plain, bench/exp_split.py, modes in alternating order, medians (sessions 36,
+# 37; cells d:seqlen:heads at 16k tokens, idle share in brackets):
+# - d=192 / 256 gain at every fill: H100 256:16384 (3.0%) +2.7% / +3.5%, 192:16384 +4.1%,
+#   256:15360:8 (9.1%) +10.3%, 256:15360:12 and 192:15360:12 (0.8%) +0.9% / +0.5%.
+# - d=128 gains only with a nearly empty last round: 128:15360:10 (9.1%) +3.7% H100 / +5.5%
+#   H200, 128:15360:9 / 8 (9.1%) +4.5% / +3.4% H200; at 3.0% flat (16k +0.7% / +0.8%, 4k -1%,
+#   8192:20 +2.8%); at 0.8% (128:15360:12) -8% H100 / -3% H200: each tail tile is cut in two
+#   for one block in nine of idle time. d=96: 96:15360:10 (9.1%) +2.8% H100.
+# - d=64 (192-row tiles): 64:15360:20 (6.8%) +1%; 64:4096 flat (its tail tiles are 64 rows).
+SPLIT_TAIL_MIN_IDLE = {96: 0.05, 128: 0.05, 192: 0.0, 256: 0.0}
 
 
-def split_tail_ctas(num_tiles: int, ctas: int, nblk: int) -> int:
+def split_tail_ctas(num_tiles: int, ctas: int, nblk: int, min_idle: float = 0.0) -> int:
     """CTAs sharing the static walk's last, partial round (0: no split). ``ctas``: the
     persistent grid's budget; ``nblk``: key blocks per tile. The R tiles of that round become
     R * nblk blocks over up to ``ctas`` CTAs, at least SPLIT_TAIL_MIN_BLOCKS each; worth it
-    only with more CTAs than R (each range then shorter than a tile)."""
+    only with more CTAs than R (each range then shorter than a tile) and, without a split, at
+    least ``min_idle`` of the call's CTA time idle in that round."""
     grid = min(num_tiles, ctas)
-    rest = num_tiles % grid
-    if rest == 0:
+    rounds, rest = divmod(num_tiles, grid)
+    if rest == 0 or (grid - rest) < min_idle * grid * (rounds + 1):
         return 0
     tail = min(grid, rest * nblk // SPLIT_TAIL_MIN_BLOCKS)
     return tail if tail > rest else 0

@@ -96,3 +96,21 @@ def test_varlen_launch_matches_compile(launched, monkeypatch, d, causal, walk, s
                  cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900, seqused_q=used,
                  seqused_k=used)
     assert len(launched) == 1
+
+
+def test_split_tail_env_checked(launched, monkeypatch):
+    monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, "yes")
+    q, k, v = _qkv((2, 700, 4, 128), (2, 2500, 2, 128))
+    with pytest.raises(ValueError, match="FLASH_CUTE_FWD_SPLIT_TAIL='yes'"):
+        dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False)
+
+
+@pytest.mark.parametrize("d,heads,split", [(128, 10, True), (128, 12, False), (128, 16, False),
+                                           (256, 12, True), (64, 20, False)])
+def test_split_tail_auto(launched, monkeypatch, d, heads, split):
+    """auto on the 132-SM grid at 15360 tokens: d=128 splits a nearly empty last round (10
+    heads: 12 tiles after 9 rounds) only; d=256 at any fill; d=64 never."""
+    monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, "auto")
+    q = torch.empty((1, 15360, heads, d), dtype=torch.bfloat16)
+    dispatch.fwd(q, q, q, softmax_scale=0.1, causal=False)
+    assert bool(launched[0][-1].get("split_tail")) == split, launched
