@@ -122,7 +122,7 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
 def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool):
     """The forward's arguments at compile time (fake tensors, runtime scalars), in the order
     of FlashFwdSm90.__call__ less its stream; a launch passes None exactly where these are None
-    (tests/test_launch_args.py)."""
+    (tests/test_launch_args.py checks the launches against the compiles)."""
     import cutlass
 
     d = cfg.head_dim

@@ -1,49 +1,48 @@
-"""dispatch's forward launches pass the arguments their kernel was compiled with, on CPU.
+"""Every launch passes the arguments its kernel was compiled with, checked on CPU.
 
-The compiled TVM-FFI entry point checks its arguments only when called, which CPU CI never
-does; a launch that falls behind the kernel's signature (session 36: the split tail's three
-arguments missing from the varlen launch) would then fail on the GPU only. Here the compile
-is replaced by a recorder that checks each launch against dispatch.fwd_compile_args.
+The compiled TVM-FFI entry points check their arguments only when called, which CPU CI never
+does; a launch that falls behind its kernel's signature (session 36: the split tail's three
+arguments missing from the varlen forward's launch) then fails on the GPU only. Here
+compile_kernel is replaced by a recorder that keeps the compile's arguments and checks each
+launch against them: as many, None in the same places, tensors where tensors were compiled.
 """
-import dataclasses
-
 import pytest
 import torch
 
-from flash_cute import dispatch
-from flash_cute.config import FwdSm90Config
+from flash_cute import backward, dispatch
 
 cutlass = pytest.importorskip("cutlass")
 
 
 class _Launch:
-    """Stands in for a compiled forward: checks the launch's arguments against the compile's."""
+    """Stands in for a compiled kernel: checks each launch against the compile's arguments."""
 
-    def __init__(self, dtype_name, d, causal, varlen, overrides, launched):
-        cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **overrides)
-        self.expected = dispatch.fwd_compile_args(dtype_name, cfg, varlen)
-        self.variant = (dtype_name, d, causal, varlen, overrides)
-        self.launched = launched
+    def __init__(self, fn, args, launched):
+        self.name, self.expected, self.launched = type(fn).__name__, args, launched
+        self.split = getattr(getattr(fn, "cfg", None), "split_tail", False)
 
     def __call__(self, *args):
-        assert len(args) == len(self.expected), (self.variant, len(args), len(self.expected))
+        assert len(args) == len(self.expected), (self.name, len(args), len(self.expected))
         for i, (arg, fake) in enumerate(zip(args, self.expected)):
-            assert (arg is None) == (fake is None), (self.variant, i, arg, fake)
+            assert (arg is None) == (fake is None), (self.name, i, arg, fake)
             scalar = isinstance(fake, cutlass.Numeric)
-            assert fake is None or isinstance(arg, torch.Tensor) != scalar, (self.variant, i)
-        self.launched.append(self.variant)
+            assert fake is None or isinstance(arg, torch.Tensor) != scalar, (self.name, i)
+        self.launched.append(self)
 
 
 @pytest.fixture
 def launched(monkeypatch):
-    """Route dispatch.fwd to recorders on CPU tensors: a Hopper with 132 SMs, CPU workspaces."""
+    """Route dispatch and backward to recorders on CPU tensors: a Hopper with 132 SMs."""
     calls = []
-    monkeypatch.setattr(dispatch, "_cache", {})
-    monkeypatch.setattr(dispatch, "_compile_fwd",
-                        lambda arch, dt, d, causal, varlen=False, **kw:
-                        _Launch(dt, d, causal, varlen, kw, calls))
+    record = lambda fn, args, keep=False: _Launch(fn, args, calls)  # noqa: E731
+    for module in (dispatch, backward):
+        monkeypatch.setattr(module, "compile_kernel", record)
+        monkeypatch.setattr(module, "_cache", {})
     monkeypatch.setattr(dispatch, "_device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(dispatch, "num_sms", lambda device: 132)
+    monkeypatch.setattr(backward, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(backward, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(dispatch, "tile_counter", lambda device: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(dispatch, "split_workspace", lambda device, cfg, grid: (
         torch.empty(grid, *dispatch._split_slot_shape(cfg)), torch.zeros(grid, dtype=torch.int32)))
@@ -79,7 +78,7 @@ def test_split_tail_launch_is_covered(launched, monkeypatch):
     monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, "all")
     q, k, v = _qkv((2, 700, 4, 128), (2, 2500, 2, 128))
     dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False)
-    assert launched[0][-1].get("split_tail"), launched
+    assert launched[0].split
 
 
 @pytest.mark.parametrize("walk", ["0", "ctas=5", "dyn:ctas=5", "auto"])
@@ -113,4 +112,24 @@ def test_split_tail_auto(launched, monkeypatch, d, heads, split):
     monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, "auto")
     q = torch.empty((1, 15360, heads, d), dtype=torch.bfloat16)
     dispatch.fwd(q, q, q, softmax_scale=0.1, causal=False)
-    assert bool(launched[0][-1].get("split_tail")) == split, launched
+    assert launched[0].split == split
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,hk,persistent", [(64, 4, False), (64, 4, True), (128, 2, False),
+                                              (128, 2, True), (256, 1, False)])
+def test_backward_launches_match_compile(launched, d, hk, causal, deterministic, persistent):
+    """bwd_pre, the main kernel, bwd_post for dQ (and for GQA's dK / dV), batched and varlen;
+    the persistent main kernel where there is one (not the wide layout, d >= 192)."""
+    q, k, v = _qkv((2, 700, 4, d), (2, 900, hk, d))
+    lse = torch.zeros(2, 4, 700)
+    backward.bwd(q, q, k, v, q, lse, softmax_scale=0.1, causal=causal,
+                 deterministic=deterministic, persistent=persistent)
+    assert len(launched) == (5 if hk < 4 else 3)
+    lengths = [300, 0, 1, 399]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = _qkv((700, 4, d), (700, hk, d))
+    backward.varlen_bwd(q, q, k, v, q, torch.zeros(4, 700), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                        max_seqlen_q=399, max_seqlen_k=399, softmax_scale=0.1, causal=causal,
+                        deterministic=deterministic, persistent=persistent)
