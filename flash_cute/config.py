@@ -233,17 +233,35 @@ def fwd_config(d: int, causal: bool, persistent: bool = False, dynamic: bool = F
 # block or two: pieces shorter than this many blocks are not worth cutting.
 SPLIT_TAIL_MIN_BLOCKS = 4
 # Where auto splits: the last round's predicted idle share of the call, (P - R) / (P (W + 1))
-# for R tiles left after W whole rounds of P CTAs, at least this much per head dim (absent:
-# never). Split / plain, bench/exp_split.py, modes in alternating order, medians (sessions 36,
+# for R tiles left after W whole rounds of P CTAs, at least split_tail_min_idle(d, nblk).
+# Split / plain, bench/exp_split.py with the modes in alternating order, medians (sessions 36,
 # 37; cells d:seqlen:heads at 16k tokens, idle share in brackets):
 # - d=192 / 256 gain at every fill: H100 256:16384 (3.0%) +2.7% / +3.5%, 192:16384 +4.1%,
 #   256:15360:8 (9.1%) +10.3%, 256:15360:12 and 192:15360:12 (0.8%) +0.9% / +0.5%.
-# - d=128 gains only with a nearly empty last round: 128:15360:10 (9.1%) +3.7% H100 / +5.5%
-#   H200, 128:15360:9 / 8 (9.1%) +4.5% / +3.4% H200; at 3.0% flat (16k +0.7% / +0.8%, 4k -1%,
-#   8192:20 +2.8%); at 0.8% (128:15360:12) -8% H100 / -3% H200: each tail tile is cut in two
-#   for one block in nine of idle time. d=96: 96:15360:10 (9.1%) +2.8% H100.
-# - d=64 (192-row tiles): 64:15360:20 (6.8%) +1%; 64:4096 flat (its tail tiles are 64 rows).
-SPLIT_TAIL_MIN_IDLE = {96: 0.05, 128: 0.05, 192: 0.0, 256: 0.0}
+# - d=128 with a nearly empty last round: 128:15360:10 (9.1%) +3.7% H100 / +5.5% H200,
+#   128:15360:9 / 8 (9.1%) +4.5% / +3.4% H200. At 3.0% it gains with long tiles only (a
+#   piece's fixed cost, Q and the first K block, amortized over its blocks): 16k (128 blocks)
+#   +0.7 / +0.8 / +1.6% (exp_split), +1.8% in the grid's command (H100, 3 runs each way),
+#   8192:20 (64 blocks) +2.8%; 4k (32 blocks) -1% / +0.8%, 1k (8 blocks) -0.5%. At 0.8%
+#   (128:15360:12) -8% H100 / -3% H200: each tail tile cut in two for a ninth of a tile idle.
+#   d=96: 96:15360:10 (9.1%) +2.8% H100; taken as d=128.
+# - d=64 (192-row tiles) never: 64:15360:20 (6.8%) +1%, 64:4096 flat (its tail tiles are 64
+#   rows, already short).
+SPLIT_TAIL_ANY_FILL_HEAD_DIMS = (192, 256)
+SPLIT_TAIL_FILL_HEAD_DIMS = (96, 128)
+SPLIT_TAIL_MIN_IDLE = 0.05  # d=96 / 128, short tiles: only a nearly empty last round pays
+SPLIT_TAIL_MIN_IDLE_LONG = 0.025  # ... and tiles of >= SPLIT_TAIL_LONG_BLOCKS key blocks
+SPLIT_TAIL_LONG_BLOCKS = 64
+
+
+def split_tail_min_idle(d: int, nblk: int):
+    """The idle share of the call below which auto keeps the last round whole (None: never
+    split at this head dim); ``nblk``: key blocks per tile."""
+    if d in SPLIT_TAIL_ANY_FILL_HEAD_DIMS:
+        return 0.0
+    if d in SPLIT_TAIL_FILL_HEAD_DIMS:
+        return SPLIT_TAIL_MIN_IDLE_LONG if nblk >= SPLIT_TAIL_LONG_BLOCKS else SPLIT_TAIL_MIN_IDLE
+    return None
 
 
 def split_tail_ctas(num_tiles: int, ctas: int, nblk: int, min_idle: float = 0.0) -> int:

@@ -22,7 +22,7 @@ import torch
 from .config import (SUPPORTED_HEAD_DIMS, VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config,
                      fwd_config, fwd_l2_budget, fwd_overrides, fwd_own_o, fwd_tile_m,
                      heads_per_section, l2_sections, narrow_fwd, persistent_fwd_order,
-                     persistent_fwd_overrides, persistent_fwd_walk, SPLIT_TAIL_MIN_IDLE,
+                     persistent_fwd_overrides, persistent_fwd_walk, split_tail_min_idle,
                      split_tail_ctas)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
@@ -39,7 +39,7 @@ PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 # Split tail of the static walk (FwdSm90Config.split_tail). "auto": where
 # config.split_tail_ctas finds it worth it; "0": never (A/B runs); "kernel": the split
 # kernel wherever auto would take it, run with no split (its cost without the gain); "all":
-# wherever a split is possible, at every head dim and fill (config.SPLIT_TAIL_MIN_IDLE
+# wherever a split is possible, at every head dim and fill (config.split_tail_min_idle
 # limits auto).
 # Unset: SPLIT_TAIL_DEFAULT.
 SPLIT_TAIL_ENV = "FLASH_CUTE_FWD_SPLIT_TAIL"
@@ -308,11 +308,12 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     tail, split_mode = 0, os.environ.get(SPLIT_TAIL_ENV, SPLIT_TAIL_DEFAULT)
     if split_mode not in SPLIT_TAIL_MODES:
         raise ValueError(f"{SPLIT_TAIL_ENV}={split_mode!r}: expected one of {SPLIT_TAIL_MODES}")
-    min_idle = 0.0 if split_mode == "all" else SPLIT_TAIL_MIN_IDLE.get(d)
-    if ctas is not None and not dynamic and not causal and split_mode != "0" and \
-            min_idle is not None:
+    if ctas is not None and not dynamic and not causal and split_mode != "0":
         cfg = fwd_config(d, False, persistent=True, own_o=own_o, split=True)
-        tail = split_tail_ctas(num_tiles, ctas, -(-sk // cfg.tile_n), min_idle)
+        nblk = -(-sk // cfg.tile_n)
+        min_idle = 0.0 if split_mode == "all" else split_tail_min_idle(d, nblk)
+        if min_idle is not None:
+            tail = split_tail_ctas(num_tiles, ctas, nblk, min_idle)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                             persistent=ctas is not None, dynamic=dynamic, narrow=narrow,
                             own_o=own_o, split=tail > 0)

@@ -362,13 +362,14 @@ def test_split_tail_choice():
 
 def test_split_tail_idle_threshold():
     """min_idle: the last round's idle share of the call, (P - R) / (P (W + 1)), decides."""
-    from flash_cute.config import SPLIT_TAIL_MIN_IDLE, split_tail_ctas
-    d128 = SPLIT_TAIL_MIN_IDLE[128]
-    assert split_tail_ctas(1200, 132, 120, d128) == 132  # 12 left after 9 rounds: 9.1% idle
-    assert split_tail_ctas(2048, 132, 128, d128) == 0    # 68 left after 15: 3.0%
-    assert split_tail_ctas(1440, 132, 120, d128) == 0    # 120 left after 10: 0.8%
-    assert split_tail_ctas(1440, 132, 120, 0.0) == 132   # d=192 / 256 split at any fill
+    from flash_cute.config import split_tail_ctas, split_tail_min_idle
+    short, long = split_tail_min_idle(128, 32), split_tail_min_idle(128, 128)
+    assert split_tail_ctas(1200, 132, 120, long) == 132  # 12 left after 9 rounds: 9.1% idle
+    assert split_tail_ctas(2048, 132, 128, long) == 132  # 68 left after 15: 3.0%, long tiles
+    assert split_tail_ctas(2048, 132, 32, short) == 0    # 3.0%, 32-block tiles (d=128 4k)
+    assert split_tail_ctas(1440, 132, 120, long) == 0    # 120 left after 10: 0.8%
+    assert split_tail_ctas(1440, 132, 120, split_tail_min_idle(256, 120)) == 132  # any fill
     idle = (132 - 68) / (132 * 16)
     assert split_tail_ctas(2048, 132, 128, idle) == 132  # the bound itself is enough
     assert split_tail_ctas(2048, 132, 128, idle + 1e-6) == 0
-    assert 64 not in SPLIT_TAIL_MIN_IDLE  # auto never splits d=64's 192-row tiles
+    assert split_tail_min_idle(64, 128) is None  # auto never splits d=64's 192-row tiles
