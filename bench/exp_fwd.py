@@ -132,6 +132,10 @@ VARIANTS = {
                                         if d in (96, 128) else None),
     "ship_packed": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "packed_p_cvt": True}
                                          if d == 128 else None),
+    # Session 37: the static walk with the short last query blocks numbered last (d=64's
+    # 192-row tiles at 1k / 4k), so the CTAs with one tile more get short ones.
+    "short_last": lambda d, causal, s: ({**VARIANTS["persistent_ship"](d, causal, s),
+                                         "short_last": True} if not causal else None),
 }
 SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "long": [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, False),
@@ -169,6 +173,8 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
               (192, 4096, True), (192, 1024, True), (256, 1024, False), (256, 4096, False),
               (256, 4096, True)],
     "d64": [(64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)],
+    "d64nc": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (64, 2048, False),
+              (128, 4096, False)],
     "own_o2": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (128, 1024, False),
                (128, 16384, False), (128, 1024, True), (96, 1024, True)],
     "qregs": [(128, 1024, False), (128, 4096, False), (128, 16384, False), (128, 1024, True),
@@ -198,7 +204,7 @@ def run(compiled, q, k, v, tile_m, section=None, ctas=None, dynamic=False, causa
                 else (num_hb if section == "all" else section, num_hb))
     compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), *sections,
              *dispatch.NO_VARLEN, ctas,
-             dispatch.tile_counter(q.device) if dynamic else None)
+             dispatch.tile_counter(q.device) if dynamic else None, *dispatch.NO_SPLIT)
     return out
 
 

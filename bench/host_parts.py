@@ -43,7 +43,8 @@ def parts(d, s, causal):
                     causal, fwd_l2_budget(causal))
 
     def launch():
-        kernel(q, k, v, out, lse, scale2, *sections, *dispatch.NO_VARLEN, ctas, counter)
+        kernel(q, k, v, out, lse, scale2, *sections, *dispatch.NO_VARLEN, ctas, counter,
+               *dispatch.NO_SPLIT)
 
     ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
     out_g = flash_attn_func(ql, kl, vl, causal=causal)

@@ -21,7 +21,27 @@ def deal(num_blocks, num_hb, section, ctas, causal=True, tail=None):
     def work(t):
         block = scheduler.tile_coords(t, num_blocks, num_hb, num_hb, section, tail, True)[0]
         return block + 1 if causal else num_blocks
-    tiles = num_blocks * num_hb
+    return walk(work, num_blocks * num_hb, ctas)
+
+
+def ragged_deal(seqlen, tile_m, num_hb, section, ctas, short_cost, short_last):
+    """Non-causal tiles whose last query block is short (seqlen % tile_m rows, costing
+    ``short_cost`` of a full tile), in tile_coords' order or with the short ones numbered last
+    (scheduler.short_last_coords, FwdSm90Config.short_last)."""
+    num_blocks = -(-seqlen // tile_m)
+    uneven = int(seqlen % tile_m != 0)
+    def plain(t, nb):
+        return scheduler.tile_coords(t, nb, num_hb, num_hb, section, None, False)
+
+    def work(t):
+        block = (scheduler.short_last_coords(t, num_blocks, num_hb, num_hb, uneven, plain)
+                 if short_last else plain(t, num_blocks))[0]
+        return short_cost if uneven and block == num_blocks - 1 else 1.0
+    return walk(work, num_blocks * num_hb, ctas)
+
+
+def walk(work, tiles, ctas):
+    """(max / mean work per CTA) of the static alternating walk and of the dynamic deal."""
     static = [0] * ctas
     for c in range(ctas):
         t = c
@@ -51,3 +71,15 @@ if __name__ == "__main__":
             st, dy = deal(num_blocks, num_hb, section, SMS, tail=tail)
             print(f"d={d} s={s} causal, {name}: section={section} heads, "
                   f"max/mean static {st:.2f}, dynamic {dy:.3f}")
+
+    # Non-causal, d=64's 192-row tiles: the last query block of a head is 1/3 full at 1k / 4k /
+    # 16k (1024 = 5 x 192 + 64); its cost, a fraction of a full tile's, is not measured (one of
+    # three warpgroups works, FwdSm90Config.skip_empty_wg), so three guesses.
+    for s in (1024, 2048, 4096, 16384):
+        num_hb = (16384 // s) * 32
+        section = heads_per_section(s, 64, 2, num_hb, fwd_l2_budget(False))
+        for cost in (1 / 3, 1 / 2, 2 / 3):
+            (plain, dyn), (last, _) = (ragged_deal(s, 192, num_hb, section, SMS, cost, sl)
+                                       for sl in (False, True))
+            print(f"d=64 s={s} non-causal, short tile {cost:.2f}: max/mean static {plain:.3f}, "
+                  f"short last {last:.3f}, dynamic {dyn:.3f}")

@@ -45,6 +45,9 @@ PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 SPLIT_TAIL_ENV = "FLASH_CUTE_FWD_SPLIT_TAIL"
 SPLIT_TAIL_DEFAULT = "auto"
 SPLIT_TAIL_MODES = ("auto", "0", "kernel", "all")
+# "1": the static walk numbers a ragged call's short last query blocks after its full tiles
+# (FwdSm90Config.short_last; session 37, modelled, not yet timed); "0" (default): off.
+SHORT_LAST_ENV = "FLASH_CUTE_FWD_SHORT_LAST"
 
 
 def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
@@ -183,18 +186,22 @@ def compile_kernel(fn, args, keep=False):
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                    persistent: bool = False, dynamic: bool = False, narrow: bool = False,
-                   own_o: bool = False, split: bool = False):
+                   own_o: bool = False, split: bool = False, short_last: bool = False):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
-    own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail."""
+    own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail; short_last:
+    FwdSm90Config.short_last."""
     own_o = own_o and persistent
     key = (("fwd", arch, dtype_name, d, causal, varlen) + (("persistent",) if persistent else ())
            + (("dynamic",) if dynamic else ()) + (("narrow",) if narrow else ())
-           + (("own_o",) if own_o else ()) + (("split",) if split else ()))
+           + (("own_o",) if own_o else ()) + (("split",) if split else ())
+           + (("short_last",) if short_last else ()))
     with _cache_lock:
         if key not in _cache:
             overrides = fwd_overrides(d, causal, persistent, dynamic, narrow, own_o, varlen,
                                       split)
+            if short_last:
+                overrides = {**overrides, "short_last": True}
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, **overrides)
         return _cache[key]
 
@@ -314,9 +321,11 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         min_idle = 0.0 if split_mode == "all" else split_tail_min_idle(d, nblk)
         if min_idle is not None:
             tail = split_tail_ctas(num_tiles, ctas, nblk, min_idle)
+    short_last = (ctas is not None and not dynamic and not causal and sq % tile_m != 0
+                  and os.environ.get(SHORT_LAST_ENV, "0") == "1")
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                             persistent=ctas is not None, dynamic=dynamic, narrow=narrow,
-                            own_o=own_o, split=tail > 0)
+                            own_o=own_o, split=tail > 0, short_last=short_last)
     sections = l2_sections(sk, d, q.element_size(), b * h, num_tiles // (b * h),
                            ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
     split = ()

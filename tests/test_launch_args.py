@@ -19,7 +19,8 @@ class _Launch:
 
     def __init__(self, fn, args, launched):
         self.name, self.expected, self.launched = type(fn).__name__, args, launched
-        self.split = getattr(getattr(fn, "cfg", None), "split_tail", False)
+        cfg = getattr(fn, "cfg", None)
+        self.split, self.short_last = (getattr(cfg, f, False) for f in ("split_tail", "short_last"))
 
     def __call__(self, *args):
         assert len(args) == len(self.expected), (self.name, len(args), len(self.expected))
@@ -95,6 +96,15 @@ def test_varlen_launch_matches_compile(launched, monkeypatch, d, causal, walk, s
                  cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900, seqused_q=used,
                  seqused_k=used)
     assert len(launched) == 1
+
+
+def test_short_last_launch(launched, monkeypatch):
+    """FLASH_CUTE_FWD_SHORT_LAST=1 takes the short_last kernel for a ragged static walk."""
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "ctas=5")
+    monkeypatch.setenv(dispatch.SHORT_LAST_ENV, "1")
+    q, k, v = _qkv((2, 700, 4, 64), (2, 900, 2, 64))
+    dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False)
+    assert launched[0].short_last
 
 
 def test_split_tail_env_checked(launched, monkeypatch):
