@@ -251,25 +251,21 @@ SPLIT_TAIL_MIN_BLOCKS = 4
 #   piece's fixed cost, Q and the first K block, amortized over its blocks): 16k (128 blocks)
 #   +0.7 / +0.8 / +1.6% (exp_split), +1.8% in the grid's command (H100, 3 runs each way),
 #   8192:20 (64 blocks) +2.8%; 4k (32 blocks) -1% / +0.8%, 1k (8 blocks) -0.5%. At 0.8%
-#   (128:15360:12) -8% H100 / -3% H200: each tail tile cut in two for a ninth of a tile idle.
-#   d=96: 96:15360:10 (9.1%) +2.8% H100; taken as d=128.
+#   (128:15360:12) -8% H100 / -3% H200: each tail tile cut in two to fill 12 idle SMs of 132.
+#   d=96 like d=128 with a nearly empty last round (96:15360:10 / 8, 9.1%: +2.8% H100, +8.3%
+#   H200), but 96:16384 (3.0%, long tiles) -0.7% in its one run: the 5% bound only.
 # - d=64 (192-row tiles) never: 64:15360:20 (6.8%) +1%, 64:4096 flat (its tail tiles are 64
 #   rows, already short).
-SPLIT_TAIL_ANY_FILL_HEAD_DIMS = (192, 256)
-SPLIT_TAIL_FILL_HEAD_DIMS = (96, 128)
-SPLIT_TAIL_MIN_IDLE = 0.05  # d=96 / 128, short tiles: only a nearly empty last round pays
-SPLIT_TAIL_MIN_IDLE_LONG = 0.025  # ... and tiles of >= SPLIT_TAIL_LONG_BLOCKS key blocks
+# Per head dim: (bound for tiles shorter than SPLIT_TAIL_LONG_BLOCKS key blocks, for longer).
+SPLIT_TAIL_MIN_IDLE = {96: (0.05, 0.05), 128: (0.05, 0.025), 192: (0.0, 0.0), 256: (0.0, 0.0)}
 SPLIT_TAIL_LONG_BLOCKS = 64
 
 
 def split_tail_min_idle(d: int, nblk: int):
     """The idle share of the call below which auto keeps the last round whole (None: never
     split at this head dim); ``nblk``: key blocks per tile."""
-    if d in SPLIT_TAIL_ANY_FILL_HEAD_DIMS:
-        return 0.0
-    if d in SPLIT_TAIL_FILL_HEAD_DIMS:
-        return SPLIT_TAIL_MIN_IDLE_LONG if nblk >= SPLIT_TAIL_LONG_BLOCKS else SPLIT_TAIL_MIN_IDLE
-    return None
+    bounds = SPLIT_TAIL_MIN_IDLE.get(d)
+    return None if bounds is None else bounds[nblk >= SPLIT_TAIL_LONG_BLOCKS]
 
 
 def split_tail_ctas(num_tiles: int, ctas: int, nblk: int, min_idle: float = 0.0) -> int:

@@ -116,11 +116,13 @@ def test_split_tail_env_checked(launched, monkeypatch):
 
 @pytest.mark.parametrize("d,seqlen,heads,split", [
     (128, 15360, 10, True), (128, 15360, 12, False), (128, 16384, 16, True),
-    (128, 4096, 16, False), (256, 15360, 12, True), (64, 15360, 20, False)])
+    (128, 4096, 16, False), (96, 16384, 21, False), (96, 15360, 10, True),
+    (256, 15360, 12, True), (64, 15360, 20, False)])
 def test_split_tail_auto(launched, monkeypatch, d, seqlen, heads, split):
     """auto on the 132-SM grid at 16k tokens: d=128 splits a nearly empty last round (15360
     tokens, 10 heads: 12 tiles after 9 rounds) and the 16k grid cell's half-full one (its
-    tiles are long), not 4k's; d=256 at any fill; d=64 never."""
+    tiles are long), not 4k's; d=96 the nearly empty one only; d=256 at any fill; d=64
+    never."""
     monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, "auto")
     q = torch.empty((16384 // seqlen, seqlen, heads, d), dtype=torch.bfloat16)
     dispatch.fwd(q, q, q, softmax_scale=0.1, causal=False)
