@@ -147,3 +147,22 @@ def test_backward_launches_match_compile(launched, d, hk, causal, deterministic,
     backward.varlen_bwd(q, q, k, v, q, torch.zeros(4, 700), cu_seqlens_q=cu, cu_seqlens_k=cu,
                         max_seqlen_q=399, max_seqlen_k=399, softmax_scale=0.1, causal=causal,
                         deterministic=deterministic, persistent=persistent)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_autograd_path_launches(launched, monkeypatch, causal):
+    """The public functions through autograd (eager) reach every kernel with its compiled
+    arguments: forward, then bwd_pre, the main backward and bwd_post (dQ, GQA's dK and dV);
+    batched and varlen."""
+    from flash_cute import autograd, flash_attn_func, flash_attn_varlen_func, interface
+    monkeypatch.setattr(interface, "_REQUIRE_CUDA", False)
+    monkeypatch.setattr(autograd, "_fused_bwd_applies", lambda q: True)  # CPU tensors here
+    q, k, v = (t.requires_grad_() for t in _qkv((2, 300, 4, 128), (2, 300, 2, 128)))
+    flash_attn_func(q, k, v, causal=causal).sum().backward()
+    kernels = ["FlashFwdSm90", "FlashBwdPreSm90", "FlashBwdSm90", "FlashBwdPostSm90",
+               "FlashBwdPostSm90", "FlashBwdPostSm90"]
+    assert [launch.name for launch in launched] == kernels
+    cu = torch.tensor([0, 100, 100, 101, 300], dtype=torch.int32)
+    q, k, v = (t[0].detach().requires_grad_() for t in (q, k, v))
+    flash_attn_varlen_func(q, k, v, cu, cu, 199, 199, causal=causal).sum().backward()
+    assert [launch.name for launch in launched] == kernels * 2
