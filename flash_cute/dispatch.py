@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import threading
 import time
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -212,14 +214,52 @@ def fwd_variants(varlen: bool = False):
             for d in SUPPORTED_HEAD_DIMS for c in (False, True)]
 
 
+# Shapes swept by shipped_fwd_kernels, to reach every branch of the choices: one wave or more,
+# ragged tiles, short causal calls, long keys, on GPUs of a few SM counts.
+_SWEEP_SEQLENS = (1, 100, 192, 500, 1000, 1024, 2048, 4096, 8192, 15360, 16384, 65536)
+_SWEEP_PAIRS = (1, 8, 16, 21, 40, 128, 512, 2048)  # batch x heads
+_SWEEP_SMS = (132, 114, 78)
+
+
+def kernel_flags(persistent, dynamic, narrow, own_o, split, short_last) -> tuple:
+    """get_fwd_kernel's flags that are on, in its key's order (own_o: persistent only)."""
+    on = (persistent, dynamic, narrow, own_o and persistent, split, short_last)
+    return tuple(n for n, f in zip(("persistent", "dynamic", "narrow", "own_o", "split",
+                                    "short_last"), on) if f)
+
+
+def shipped_fwd_kernels():
+    """(head_dim, causal, varlen, kernel_flags) of every forward kernel that fwd_plan and the
+    varlen launch pick over a sweep of shapes: what a warm JIT cache needs (the environment's
+    overrides apply, as they do to the calls)."""
+    kernels = set()
+    for d, causal in itertools.product(SUPPORTED_HEAD_DIMS, (False, True)):
+        for sms, hb, sq, sk in itertools.product(_SWEEP_SMS, _SWEEP_PAIRS, _SWEEP_SEQLENS,
+                                                 _SWEEP_SEQLENS):
+            p = fwd_plan(d, causal, hb, sq, sk, sms=sms)
+            kernels.add((d, causal, False, kernel_flags(p.ctas is not None, p.dynamic, p.narrow,
+                                                        p.own_o, p.split, p.short_last)))
+        for sms, max_k in itertools.product(_SWEEP_SMS, _SWEEP_SEQLENS):
+            ctas, dynamic = (_varlen_persistent_ctas(None, d, causal, 16384, 8, 16, sms)
+                             or (None, False))
+            kernels.add((d, causal, True, kernel_flags(ctas is not None, dynamic, False,
+                                                       fwd_own_o(d, causal, max_k), False,
+                                                       False)))
+    return sorted(kernels)
+
+
 def compile_all_variants(arch: str = DEFAULT_ARCH, variants=None):
-    """Compile (and cache) every kernel variant, batched then varlen; returns [(name, s)]."""
+    """Compile (and cache) every forward kernel the calls can pick (shipped_fwd_kernels, both
+    dtypes), or ``variants``: (dtype, d, causal[, varlen[, flags]]); returns [(name, s)]."""
+    if variants is None:
+        variants = [(dt, *k) for dt in ("BFloat16", "Float16") for k in shipped_fwd_kernels()]
     done = []
-    for dt, d, c, *vl in variants or fwd_variants() + fwd_variants(varlen=True):
-        varlen = bool(vl and vl[0])
+    for dt, d, c, *rest in variants:
+        varlen, flags = (list(rest) + [False, ()])[:2]
         t0 = time.perf_counter()
-        get_fwd_kernel(arch, dt, d, c, varlen)
-        name = f"fwd_sm90_{dt}_d{d}{'_causal' if c else ''}{'_varlen' if varlen else ''}"
+        get_fwd_kernel(arch, dt, d, c, bool(varlen), **{f: True for f in flags})
+        name = "_".join((f"fwd_sm90_{dt}_d{d}", *(["causal"] if c else []),
+                         *(["varlen"] if varlen else []), *flags))
         done.append((name, time.perf_counter() - t0))
     return done
 
@@ -229,10 +269,12 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int, tile_m: int):
+def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int, tile_m: int,
+                     sms: int | None = None):
     """(CTA budget, dynamic) of the persistent kernel when this call should run it, else None.
     The budget is SMs x 1 CTA per SM (every forward tile fills an SM's registers); dynamic:
-    the atomic-counter tile order instead of the static walk. tile_m: the call's query tile."""
+    the atomic-counter tile order instead of the static walk. tile_m: the call's query tile;
+    sms: the SM count (else ``device``'s, asked only when needed)."""
     mode = os.environ.get(PERSISTENT_FWD_ENV, "auto")
     dynamic = mode == "dyn" or mode.startswith("dyn:")
     walk = mode[len("dyn:"):] if mode.startswith("dyn:") else ("1" if dynamic else mode)
@@ -244,7 +286,7 @@ def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int, t
     if walk.startswith("ctas="):
         overrides = persistent_fwd_overrides(d, causal, dynamic)
         return None if overrides is None else (int(walk[len("ctas="):]), dynamic)
-    sms = num_sms(device)
+    sms = sms or num_sms(device)
     choice = persistent_fwd_walk(-(-seqlen_q // tile_m) * num_hb, sms, causal)
     if choice is None:
         return None
@@ -255,7 +297,8 @@ def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int, t
     return sms, dynamic
 
 
-def _varlen_persistent_ctas(device, d: int, causal: bool, total_q: int, batch: int, h: int):
+def _varlen_persistent_ctas(device, d: int, causal: bool, total_q: int, batch: int, h: int,
+                            sms: int | None = None):
     """_persistent_ctas for a varlen call. Auto (config.VARLEN_FWD_PERSISTENT_AUTO): the walk
     of persistent_fwd_order on one CTA per SM for every call, its lengths unread (one kernel
     for any lengths). Set, the environment decides as for batched calls, counting the grid's
@@ -265,9 +308,10 @@ def _varlen_persistent_ctas(device, d: int, causal: bool, total_q: int, batch: i
         dynamic = persistent_fwd_order(causal) == "dynamic"
         if not VARLEN_FWD_PERSISTENT_AUTO or persistent_fwd_overrides(d, causal, dynamic) is None:
             return None
-        return num_sms(device), dynamic
+        return sms or num_sms(device), dynamic
     tile_m = fwd_tile_m(d, narrow=False)
-    return _persistent_ctas(device, d, causal, (total_q // tile_m + batch) * tile_m, h, tile_m)
+    return _persistent_ctas(device, d, causal, (total_q // tile_m + batch) * tile_m, h, tile_m,
+                            sms)
 
 
 @functools.lru_cache(maxsize=None)
@@ -307,35 +351,57 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         lse.fill_(-math.inf)
         return out, lse
     arch = _device_arch(q.device)
+    plan = fwd_plan(d, bool(causal), b * h, sq, sk, q.device)
+    kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
+                            persistent=plan.ctas is not None, dynamic=plan.dynamic,
+                            narrow=plan.narrow, own_o=plan.own_o, split=plan.split,
+                            short_last=plan.short_last)
+    num_tiles = -(-sq // plan.tile_m) * b * h
+    sections = l2_sections(sk, d, q.element_size(), b * h, num_tiles // (b * h),
+                           plan.ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
+    split = NO_SPLIT
+    if plan.split:
+        cfg = fwd_config(d, False, persistent=True, own_o=plan.own_o, split=True)
+        split = (plan.tail, *split_workspace(q.device, cfg, min(plan.ctas, num_tiles)))
+    kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
+           *sections, *NO_VARLEN, plan.ctas, tile_counter(q.device) if plan.dynamic else None,
+           *split)
+    return out, lse
+
+
+class FwdPlan(NamedTuple):
+    """One batched forward call's kernel (get_fwd_kernel's flags) and launch values."""
+    narrow: bool
+    ctas: Optional[int]  # the persistent grid's CTA budget; None: one tile per CTA
+    dynamic: bool
+    own_o: bool  # asked for; get_fwd_kernel applies it to the persistent kernel only
+    split: bool  # the split-tail kernel
+    tail: int  # its tail_ctas argument (0: run without a split)
+    short_last: bool
+    tile_m: int
+
+
+def fwd_plan(d: int, causal: bool, num_hb: int, sq: int, sk: int, device=None,
+             sms: int | None = None) -> FwdPlan:
+    """What dispatch.fwd runs for a batched call of num_hb (batch x heads) pairs, sq queries
+    and sk keys (> 0 each), on ``device`` or, without one, a GPU of ``sms`` SMs. Reads the
+    environment's overrides (PERSISTENT_FWD_ENV, SPLIT_TAIL_ENV, SHORT_LAST_ENV)."""
     narrow = narrow_fwd(d, causal, sq)
     tile_m = fwd_tile_m(d, narrow)
-    ctas, dynamic = _persistent_ctas(q.device, d, causal, sq, b * h, tile_m) or (None, False)
+    ctas, dynamic = _persistent_ctas(device, d, causal, sq, num_hb, tile_m, sms) or (None, False)
     own_o = fwd_own_o(d, causal, sk)
-    num_tiles = -(-sq // tile_m) * b * h
     tail, split_mode = 0, os.environ.get(SPLIT_TAIL_ENV, SPLIT_TAIL_DEFAULT)
     if split_mode not in SPLIT_TAIL_MODES:
         raise ValueError(f"{SPLIT_TAIL_ENV}={split_mode!r}: expected one of {SPLIT_TAIL_MODES}")
     if ctas is not None and not dynamic and not causal and split_mode != "0":
-        cfg = fwd_config(d, False, persistent=True, own_o=own_o, split=True)
-        nblk = -(-sk // cfg.tile_n)
+        nblk = -(-sk // fwd_config(d, False, persistent=True, own_o=own_o, split=True).tile_n)
         min_idle = 0.0 if split_mode == "all" else split_tail_min_idle(d, nblk)
         if min_idle is not None:
-            tail = split_tail_ctas(num_tiles, ctas, nblk, min_idle)
+            tail = split_tail_ctas(-(-sq // tile_m) * num_hb, ctas, nblk, min_idle)
     short_last = (ctas is not None and not dynamic and not causal and sq % tile_m != 0
                   and os.environ.get(SHORT_LAST_ENV, "0") == "1")
-    kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
-                            persistent=ctas is not None, dynamic=dynamic, narrow=narrow,
-                            own_o=own_o, split=tail > 0, short_last=short_last)
-    sections = l2_sections(sk, d, q.element_size(), b * h, num_tiles // (b * h),
-                           ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
-    split = ()
-    if tail:
-        split = ((0 if split_mode == "kernel" else tail),
-                 *split_workspace(q.device, cfg, min(ctas, num_tiles)))
-    kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
-           *sections, *NO_VARLEN, ctas, tile_counter(q.device) if dynamic else None,
-           *(split or NO_SPLIT))
-    return out, lse
+    return FwdPlan(narrow, ctas, dynamic, own_o, tail > 0, 0 if split_mode == "kernel" else tail,
+                   short_last, tile_m)
 
 
 _TILE_COUNTERS = {}  # (device index, stream handle) -> counter

@@ -3,6 +3,7 @@
 With nvdisasm available (the test extra installs it), the SASS is checked too: the tensor-core
 path (HGMMA) is there and nothing spills to local memory (STL/LDL).
 """
+import dataclasses
 import functools
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_opcodes
 
 from flash_cute import dispatch
-from flash_cute.config import (OWN_O_HEAD_DIMS, PERSISTENT_FWD, fwd_overrides,
+from flash_cute.config import (OWN_O_HEAD_DIMS, PERSISTENT_FWD, FwdSm90Config, fwd_overrides,
                                persistent_fwd_overrides)
 
 
@@ -41,8 +42,8 @@ EXPERIMENTS = ([("BFloat16", 64, True, fwd_overrides(64, True, p, dyn, narrow=Tr
                # and dynamic walks, and with the two-warpgroup d=64 causal tile.
                + [("BFloat16", d, c, fwd_overrides(d, c, True, dyn, own_o=True))
                   for d in OWN_O_HEAD_DIMS for c in (False, True) for dyn in (False, True)]
-               + [("Float16", 64, True, fwd_overrides(64, True, True, True, narrow=True,
-                                                      own_o=True))]
+               + [(dt, 64, True, fwd_overrides(64, True, True, True, narrow=True, own_o=True))
+                  for dt in ("BFloat16", "Float16")]
                # Its dynamic tile order (atomic tile counter: causal default).
                + [("BFloat16", d, c, persistent_fwd_overrides(d, c, dynamic=True))
                   for d, c in PERSISTENT_FWD]
@@ -129,6 +130,28 @@ def test_fwd_dynamic_ptxas_report(d, causal, tmp_path, monkeypatch):
     report = res.stdout + res.stderr
     assert "C7512" not in report and "C7514" not in report, report
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def _config(d, causal, varlen, overrides):
+    return dataclasses.replace(FwdSm90Config.for_head_dim(d), **overrides), d, causal, varlen
+
+
+def test_every_shipped_kernel_is_compiled_here():
+    """Every forward kernel the calls can pick (dispatch.shipped_fwd_kernels, the flags as
+    get_fwd_kernel turns them into a config) is among this file's compile tests in bf16, so
+    CI builds and SASS-checks each one."""
+    here = {_config(d, c, False, cfg) for dt, d, c, cfg in
+            [(*v, {}) for v in dispatch.fwd_variants()] + EXPERIMENTS if dt == "BFloat16"}
+    here |= {_config(d, c, True, fwd_overrides(d, c, persistent=True, dynamic=c, own_o=o,
+                                               varlen=True)) for d, c, o in PERSISTENT_VARLEN}
+    for d, causal, varlen, flags in dispatch.shipped_fwd_kernels():
+        on = {f: True for f in flags}
+        overrides = fwd_overrides(d, causal, on.get("persistent", False),
+                                  on.get("dynamic", False), on.get("narrow", False),
+                                  on.get("own_o", False), varlen, on.get("split", False))
+        if on.get("short_last"):
+            overrides = {**overrides, "short_last": True}
+        assert _config(d, causal, varlen, overrides) in here, (d, causal, varlen, flags)
 
 
 def test_dynamic_needs_persistent():

@@ -6,10 +6,16 @@ arguments missing from the varlen forward's launch) then fails on the GPU only. 
 compile_kernel is replaced by a recorder that keeps the compile's arguments and checks each
 launch against them: as many, None in the same places, tensors where tensors were compiled.
 """
+import os
+from unittest import mock
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flash_cute import backward, dispatch
+from flash_cute.config import SUPPORTED_HEAD_DIMS
 
 cutlass = pytest.importorskip("cutlass")
 
@@ -166,3 +172,22 @@ def test_autograd_path_launches(launched, monkeypatch, causal):
     q, k, v = (t[0].detach().requires_grad_() for t in (q, k, v))
     flash_attn_varlen_func(q, k, v, cu, cu, 199, 199, causal=causal).sum().backward()
     assert [launch.name for launch in launched] == kernels * 2
+
+
+_SHIPPED = None
+
+
+@given(st.sampled_from(SUPPORTED_HEAD_DIMS), st.booleans(), st.integers(1, 4096),
+       st.integers(1, 1 << 17), st.integers(1, 1 << 17), st.sampled_from((132, 114, 78, 16)))
+def test_every_plan_is_a_shipped_kernel(d, causal, num_hb, sq, sk, sms):
+    """Whatever the shape, fwd_plan picks a kernel among dispatch.shipped_fwd_kernels (the set
+    compile_all_variants warms and test_compile builds), the environment at its defaults."""
+    global _SHIPPED
+    env = {k: v for k, v in os.environ.items() if k not in (
+        dispatch.PERSISTENT_FWD_ENV, dispatch.SPLIT_TAIL_ENV, dispatch.SHORT_LAST_ENV)}
+    with mock.patch.dict(os.environ, env, clear=True):
+        _SHIPPED = _SHIPPED or set(dispatch.shipped_fwd_kernels())
+        p = dispatch.fwd_plan(d, causal, num_hb, sq, sk, sms=sms)
+    flags = dispatch.kernel_flags(p.ctas is not None, p.dynamic, p.narrow, p.own_o, p.split,
+                                  p.short_last)
+    assert (d, causal, False, flags) in _SHIPPED
