@@ -209,7 +209,8 @@ def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: boo
 
 
 def fwd_variants(varlen: bool = False):
-    """Every forward kernel variant the package ships: (dtype, head_dim, causal[, varlen])."""
+    """The one-tile-per-CTA forward kernels, (dtype, head_dim, causal[, varlen]);
+    shipped_fwd_kernels has every kernel the calls pick."""
     return [(dt, d, c, *((True,) if varlen else ())) for dt in ("BFloat16", "Float16")
             for d in SUPPORTED_HEAD_DIMS for c in (False, True)]
 
