@@ -70,7 +70,7 @@ import torch
 
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
                      BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections)
-from .dispatch import NO_VARLEN, compile_kernel
+from .dispatch import NO_VARLEN, compile_kernel, partials_workspace
 from .kernels.common.scheduler import varlen_num_tiles
 from .kernels.common.seqlen import pad_offset
 
@@ -80,6 +80,13 @@ DEFAULT_ARCH = "sm_90a"
 last_timeline = None
 # bwd_pre / bwd_post's varlen arguments (cu_seqlens_q, seqused_q) when batched.
 NO_VARLEN_Q = (None,) * 2
+# The main kernel's split-tail arguments (tail_start, pieces, partials, tickets) without one.
+NO_SPLIT = (None,) * 4
+# BwdSm90Config.split_tail (opt-in: FLASH_CUTE_BWD_CONFIG=split_tail=1): pieces per tail tile
+# tried, the fewest giving the shortest last wave, ceil(R k / SMs) / k of a tile's time for R
+# tail tiles (R = 68 of 2048 on 132 SMs: 3 pieces, 0.67). Each piece re-loads K / V and
+# hands over d fp32 per mma thread, hence few.
+BWD_SPLIT_PIECES = (2, 3, 4)
 ENV_FLAG = "FLASH_CUTE_FUSED_BWD"
 PERSISTENT_ENV = "FLASH_CUTE_BWD_PERSISTENT"
 # Testing: a persistent grid of this many CTAs instead of the SM count, so that small check
@@ -194,6 +201,40 @@ def _fake_dq_accum(batch, heads, sq_pad, cfg):
                                          stride, assumed_align=16)
 
 
+def _fake_split_args(d: int):
+    """cfg.split_tail's tail_start, pieces, partials (pieces, d, mma threads) fp32 and tickets
+    (tail tiles,) int32."""
+    import cutlass
+    import cutlass.cute as cute
+
+    partial = cute.runtime.make_fake_compact_tensor(
+        cutlass.Float32, (cute.sym_int(), *split_slot_shape(d)), stride_order=(2, 1, 0),
+        assumed_align=16)
+    tickets = cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,),
+                                            assumed_align=4)
+    return cutlass.Int32(1), cutlass.Int32(1), partial, tickets
+
+
+def split_slot_shape(d: int) -> tuple:
+    """One piece's slot: dK and dV of its 128 keys over the 256 mma threads, d values each."""
+    return d, 256
+
+
+def split_tail_plan(num_tiles: int, sms: int, m_blocks: int) -> tuple:
+    """(tail_start, pieces) of cfg.split_tail for one-CTA-per-tile launches of num_tiles tiles
+    of m_blocks query blocks on ``sms`` SMs: (num_tiles, 1) where no split shortens the last
+    wave (whole waves, one wave or less, or no count in BWD_SPLIT_PIECES helps)."""
+    rest = num_tiles % sms
+    if num_tiles <= sms or rest == 0:
+        return num_tiles, 1
+    best, pieces = 1.0, 1
+    for k in BWD_SPLIT_PIECES:
+        wave = -(-rest * k // sms) / k
+        if k <= m_blocks and wave < best:
+            best, pieces = wave, k
+    return (num_tiles - rest, pieces) if pieces > 1 else (num_tiles, 1)
+
+
 def _fake_int32s():
     """cu_seqlens (b + 1,), seqused (b,), or a view cu_seqlens[1:] standing in for seqused."""
     import cutlass
@@ -285,6 +326,8 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
     if cfg.timeline and deterministic:
         raise NotImplementedError("BwdSm90Config.timeline: non-deterministic calls only "
                                   "(its stamps take the semaphores' buffer)")
+    if cfg.split_tail and varlen:
+        raise NotImplementedError("BwdSm90Config.split_tail: batched calls only")
     kernel_cls = FlashBwdWideSm90 if cfg.wide else FlashBwdSm90
     dkv_dt = cutlass.Float32 if gqa else dt
     b, sq, sk, h, hk = (cute.sym_int() for _ in range(5))
@@ -311,7 +354,8 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             # SM count (persistent only, else None) and the L2 sections: runtime values (varlen
             # has no tail section: its sections are per sequence).
             cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1),
-            None if varlen else cutlass.Int32(1))
+            None if varlen else cutlass.Int32(1),
+            *(_fake_split_args(d) if cfg.split_tail else NO_SPLIT))
     return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
                           keep_cubin)
 
@@ -620,12 +664,31 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dk_out, dv_out = _dkv_sums((b, sk, h, d), q.device, torch.empty) if gqa else (dk, dv)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
          softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
-         *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal))
+         *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal),
+         *(_split_args(q.device, cfg, b * h, sq, sk, causal or deterministic)
+           if cfg.split_tail else NO_SPLIT))
     post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
         post(dv_out, dv, 1.0, *NO_VARLEN_Q)
     return dq, dk, dv
+
+
+def _split_args(device, cfg: BwdSm90Config, num_hb: int, sq: int, sk: int, whole: bool):
+    """cfg.split_tail's launch values: split_tail_plan over the SMs (NUM_SMS_ENV lowers the
+    count, for tests), or none at all (``whole``: causal tiles are unequal, LPT order deals
+    them; deterministic calls sum in a fixed order) with the same kernel."""
+    num_tiles = -(-sk // cfg.tile_n) * num_hb
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    override = int(os.environ.get(NUM_SMS_ENV, "0"))
+    tail_start, pieces = split_tail_plan(num_tiles, min(override, sms) if override > 0 else sms,
+                                         -(-sq // cfg.tile_m))
+    if whole:
+        tail_start, pieces = num_tiles, 1
+    pieces_all = (num_tiles - tail_start) * pieces
+    return (tail_start, pieces, *partials_workspace(device, split_slot_shape(cfg.head_dim),
+                                                    max(pieces_all, 1),
+                                                    max(num_tiles - tail_start, 1)))
 
 
 def _zero_grads(q, k, v):
@@ -697,7 +760,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
          used_k,
          *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), max_seqlen_k,
-                      cfg.tile_n, d, batch * h, causal)[:2], None)
+                      cfg.tile_n, d, batch * h, causal)[:2], None, *NO_SPLIT)
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)

@@ -603,6 +603,13 @@ class BwdSm90Config:
     # before it exits. GPU-checked bitwise (session 32). Off with early_dk (session 34:
     # early_dkv_tma within -1% .. +2% of the default, the noise of those cells).
     early_tma: bool = False
+    # One tile per CTA, batched, non-causal, not deterministic (opt-in, session 37, not yet
+    # run on a GPU): the R tiles of the grid's last, partial wave are each cut along their
+    # query blocks into ``pieces`` CTAs (runtime arguments), so the wave's work spreads over
+    # all SMs. Each piece stores its fp32 dK / dV sums in a slot of its own, then takes a
+    # ticket on its tile (acq_rel atomic); the last to arrive adds the others' slots and runs
+    # the epilogue. No CTA waits on another, so any launch order finishes.
+    split_tail: bool = False
 
     @property
     def dq_panels(self) -> bool:
@@ -746,6 +753,10 @@ class BwdSm90Config:
             raise ValueError("v_with_do: the narrow kernel (d 64/96/128) only")
         if self.timeline and (self.wide or self.persistent):
             raise ValueError("timeline: the narrow one-tile-per-CTA kernel only")
+        if self.split_tail and (self.wide or self.persistent or self.timeline or
+                                self.early_dv or self.early_dk):
+            raise ValueError("split_tail: the narrow one-tile-per-CTA kernel's epilogue, no "
+                             "timeline, early_dv or early_dk")
 
     @property
     def dq_cols_per_wg(self) -> int:

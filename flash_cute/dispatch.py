@@ -411,19 +411,26 @@ _SPLIT_WORKSPACES = {}  # (device index, stream handle, slot shape) -> (partials
 
 def split_workspace(device, cfg: FwdSm90Config, grid: int):
     """split_tail's partials (grid, d / 2 + 4, threads) fp32 and flags (grid,) int32, zero at
-    launch (each tile's combiner zeroes its flag again). One pair per stream and slot shape,
-    grown to the largest grid asked for (as tile_counter: launches on one stream never share
-    it at once); under CUDA graph capture a fresh pair per call."""
-    shape = _split_slot_shape(cfg)
+    launch (each tile's combiner zeroes its flag again): partials_workspace."""
+    return partials_workspace(device, _split_slot_shape(cfg), grid, grid)
+
+
+def partials_workspace(device, slot_shape: tuple, slots: int, flags: int):
+    """fp32 partials (slots, *slot_shape) and int32 flags (flags,), the flags zero at launch
+    (the kernels leave them zero). One pair per stream and slot shape, grown to the largest
+    sizes asked for (as tile_counter: launches on one stream never share it at once); under
+    CUDA graph capture a fresh pair per call. The forward's and backward's split tails."""
     if torch.cuda.is_current_stream_capturing():
-        return (torch.empty((grid, *shape), dtype=torch.float32, device=device),
-                torch.zeros(grid, dtype=torch.int32, device=device))
-    key = (device.index, _raw_stream(device.index), shape)
+        return (torch.empty((slots, *slot_shape), dtype=torch.float32, device=device),
+                torch.zeros(flags, dtype=torch.int32, device=device))
+    key = (device.index, _raw_stream(device.index), slot_shape)
     ws = _SPLIT_WORKSPACES.get(key)
-    if ws is None or ws[1].shape[0] < grid:
+    if ws is None or ws[0].shape[0] < slots or ws[1].shape[0] < flags:
+        if ws is not None:  # grown to cover both the old and the new sizes
+            slots, flags = max(slots, ws[0].shape[0]), max(flags, ws[1].shape[0])
         ws = _SPLIT_WORKSPACES[key] = (
-            torch.empty((grid, *shape), dtype=torch.float32, device=device),
-            torch.zeros(grid, dtype=torch.int32, device=device))
+            torch.empty((slots, *slot_shape), dtype=torch.float32, device=device),
+            torch.zeros(flags, dtype=torch.int32, device=device))
     return ws
 
 

@@ -1024,3 +1024,29 @@ def test_dq_overlap_needs_dq_turns():
     with pytest.raises(ValueError, match="dq_overlap"):
         dataclasses.replace(BwdSm90Config.for_head_dim(128), dq_split="n", stagger=False,
                             dq_overlap=True)
+
+
+# Session 37 (opt-in, not yet run on a GPU): the split tail of the one-tile-per-CTA grid
+# (BwdSm90Config.split_tail, kernels/sm90/bwd_split.py) on each narrow head dim's batched
+# long-call kernel, GQA and deterministic (both run it with one piece per tile) included.
+@pytest.mark.parametrize("d,gqa,deterministic", [(64, False, False), (96, False, False),
+                                                 (128, False, False), (128, True, True)],
+                         ids=str)
+def test_bwd_split_tail_compiles(d, gqa, deterministic, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    ov = backward.batched_overrides(d, None, False, 16384) or {}
+    ops, plain = (sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, False, gqa,
+                                                  deterministic, **cfg), tmp_path)
+                  for cfg in ({**ov, "split_tail": True}, ov))
+    check_main_sass(ops)
+    atomics = [c.get("ATOMG", 0) + c.get("REDG", 0) for c in (ops, plain)]
+    assert atomics[0] == atomics[1] + 1, ops  # the piece's ticket
+    assert ops["HGMMA"] == plain["HGMMA"]
+
+
+def test_bwd_split_tail_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="split_tail"):
+        backward.bwd_config(128, {"split_tail": True, "persistent": True, "stagger": False})
+    with pytest.raises(NotImplementedError, match="split_tail"):
+        backward.bwd_cubin(ARCH, "BFloat16", 128, False, varlen=True, split_tail=True)

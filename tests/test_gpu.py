@@ -544,6 +544,23 @@ def test_grads_deterministic(d, causal, hk):
     check_grads_close(runs[0], [ref[i] for i in range(3)], [low[i] for i in range(3)])
 
 
+@pytest.mark.skipif(_ON_CPU, reason="the stand-in has no backward kernel")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,hk", [(64, 4), (96, 2), (128, 4), (128, 1)])
+def test_grads_split_tail(d, hk, causal, monkeypatch):
+    """BwdSm90Config.split_tail (opt-in) planned for 5 SMs: 2 x 4 heads x 11 key blocks = 88
+    tiles, 3 left after 17 waves, each cut in 3 pieces whose dK / dV partials the last one
+    adds up (d=128: the 80-row talt tile). Against the oracle, twice (the tickets are left
+    zero for the next launch); causal runs the same kernel with no split."""
+    monkeypatch.setenv(backward.CONFIG_ENV, "split_tail=1")
+    monkeypatch.setenv(backward.NUM_SMS_ENV, "5")
+    q, k, v = qkv_inputs(2, 1100, 1300, 4, hk, d, seed=d + hk + 60)
+    for _ in range(2):
+        check_grads(q, k, v, (0, 1, 2), causal=causal)
+    torch.cuda.synchronize()
+    assert not any(ws[1].any() for ws in dispatch._SPLIT_WORKSPACES.values())
+
+
 def config_grads(spec, monkeypatch, q, k, v, dout, causal, varlen=None, **used):
     """Deterministic (dq, dk, dv) under FLASH_CUTE_BWD_CONFIG=spec, on poisoned output
     memory; ``varlen``: (cu_q, cu_k, max_q, max_k) of packed q / k / v."""

@@ -34,6 +34,7 @@ class _Launch:
             assert (arg is None) == (fake is None), (self.name, i, arg, fake)
             scalar = isinstance(fake, cutlass.Numeric)
             assert fake is None or isinstance(arg, torch.Tensor) != scalar, (self.name, i)
+        self.args = args
         self.launched.append(self)
 
 
@@ -53,6 +54,8 @@ def launched(monkeypatch):
     monkeypatch.setattr(dispatch, "tile_counter", lambda device: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(dispatch, "split_workspace", lambda device, cfg, grid: (
         torch.empty(grid, *dispatch._split_slot_shape(cfg)), torch.zeros(grid, dtype=torch.int32)))
+    monkeypatch.setattr(backward, "partials_workspace", lambda device, shape, slots, flags: (
+        torch.empty(slots, *shape), torch.zeros(flags, dtype=torch.int32)))
     return calls
 
 
@@ -191,3 +194,23 @@ def test_every_plan_is_a_shipped_kernel(d, causal, num_hb, sq, sk, sms):
     flags = dispatch.kernel_flags(p.ctas is not None, p.dynamic, p.narrow, p.own_o, p.split,
                                   p.short_last)
     assert (d, causal, False, flags) in _SHIPPED
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, False), (False, True)])
+def test_backward_split_tail_launch(launched, monkeypatch, d, causal, deterministic):
+    """BwdSm90Config.split_tail (FLASH_CUTE_BWD_CONFIG=split_tail=1) on 5 SMs: 2 x 2 heads x
+    ceil(900 / 128) = 32 key-block tiles, 2 left after 6 waves, cut in 2 pieces each (the
+    fewest giving the shortest last wave); causal and deterministic calls run the same
+    kernel unsplit."""
+    monkeypatch.setenv(backward.CONFIG_ENV, "split_tail=1")
+    monkeypatch.setenv(backward.NUM_SMS_ENV, "5")
+    q, k, v = _qkv((2, 700, 2, d), (2, 900, 2, d))
+    backward.bwd(q, q, k, v, q, torch.zeros(2, 2, 700), softmax_scale=0.1, causal=causal,
+                 deterministic=deterministic, persistent=False)
+    main = next(launch for launch in launched if launch.name == "FlashBwdSm90")
+    tail_start, pieces, partial, tickets = main.args[-4:]
+    split = not causal and not deterministic
+    assert (tail_start, pieces) == ((30, 2) if split else (32, 1))
+    assert partial.shape == (4 if split else 1, d, 256)
+    assert tickets.shape == (2 if split else 1,)

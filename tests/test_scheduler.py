@@ -394,3 +394,35 @@ def test_short_last_coords(num_blocks, nheads, batch, uneven, section):
     assert all(blk == num_blocks - 1 for blk, _, _ in got[full:])
     if not uneven:
         assert got == [plain(t, num_blocks) for t in range(num_blocks * num_hb)]
+
+
+@given(st.integers(1, 300), st.integers(1, 40), st.integers(1, 140))
+def test_bwd_split_tail_covers_every_query_block_once(num_tiles, m_blocks, sms):
+    """backward.split_tail_plan, then bwd_split.piece_of / piece_range for every CTA of the
+    grid: each (tile, query block) once; whole tiles below tail_start; a tail tile's pieces
+    contiguous and non-empty; the last wave no longer than before."""
+    from flash_cute.backward import split_tail_plan
+    from flash_cute.kernels.sm90 import bwd_split
+    tail_start, pieces = split_tail_plan(num_tiles, sms, m_blocks)
+    grid = tail_start + (num_tiles - tail_start) * pieces
+    seen = []
+    for cta in range(grid):
+        tile, part, parts = bwd_split.piece_of(cta, tail_start, pieces)
+        assert parts == (pieces if cta >= tail_start else 1)
+        lo, hi = bwd_split.piece_range(0, m_blocks, part, parts)
+        assert lo < hi
+        seen += [(tile, m) for m in range(lo, hi)]
+    assert sorted(seen) == [(t, m) for t in range(num_tiles) for m in range(m_blocks)]
+    rest = num_tiles % sms if num_tiles > sms else 0
+    assert pieces == 1 or -(-rest * pieces // sms) / pieces < 1
+
+
+def test_bwd_split_tail_plan_grid_cells():
+    """The grid's non-causal cells on 132 SMs: 2048 key-block tiles (68 in the last wave) in 3
+    pieces each; d=64's 4096 (4 left) in 4; whole waves not at all."""
+    from flash_cute.backward import split_tail_plan
+    assert split_tail_plan(2048, 132, 205) == (1980, 3)
+    assert split_tail_plan(4096, 132, 128) == (4092, 4)
+    assert split_tail_plan(2112, 132, 128) == (2112, 1)
+    assert split_tail_plan(100, 132, 128) == (100, 1)
+    assert split_tail_plan(2048, 132, 1) == (2048, 1)  # one query block: nothing to cut

@@ -89,6 +89,7 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
 More (status, PDL, tile_m 128 / 80, varlen, registers, the staged dK / dV epilogue):
 docs/architecture.md, "The SM90 backward main kernel".
 """
+import dataclasses
 from functools import partial
 from typing import Optional, Union
 
@@ -106,7 +107,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
                              select_modes, store_packed, transpose_mn)
 from ..common.mask import apply_mask_key_major
 from ..common.seqlen import SeqlenInfo
-from . import bwd_cols, pdl
+from . import bwd_cols, bwd_split, pdl
 from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
                         LoadOperands, PersistentTiles)
@@ -218,8 +219,9 @@ class FlashBwdSm90(DqTile):
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                  num_sms: Optional[Int32], heads_per_section: Int32,
-                 tail_section: Optional[Int32],
-                 stream: cuda.CUstream):
+                 tail_section: Optional[Int32], tail_start: Optional[Int32],
+                 pieces: Optional[Int32], mPartial: Optional[cute.Tensor],
+                 mTickets: Optional[cute.Tensor], stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
         dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
@@ -229,7 +231,9 @@ class FlashBwdSm90(DqTile):
         (h, rows / tm)); cu_seqlens (b + 1,), seqused (b,) int32.
         num_sms bounds the persistent grid (else None); heads_per_section and tail_section are
         the scheduler's L2 sections (kernels/common/scheduler.py), for both launch styles
-        (varlen: tail_section None, sections are per sequence)."""
+        (varlen: tail_section None, sections are per sequence). cfg.split_tail (else the four
+        None): tail_start, pieces, mPartial (pieces in all, values, mma threads) fp32 and
+        mTickets (tail tiles,) int32 (bwd_split.py)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
@@ -312,6 +316,8 @@ class FlashBwdSm90(DqTile):
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)],
                                    SMEM_ALIGN]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
+            if const_expr(self.cfg.split_tail):
+                split_last: cute.struct.MemRange[Int32, 1]  # bwd_split.hand_over's verdict
 
         self.shared_storage = SharedStorage
         sections = (heads_per_section, tail_section)
@@ -320,11 +326,14 @@ class FlashBwdSm90(DqTile):
         grid = (count, 1, 1)
         if const_expr(self.persistent):
             grid = scheduler.persistent_grid(count, num_sms)
+        if const_expr(self.cfg.split_tail):  # the tail tiles' pieces after the whole tiles
+            grid = (tail_start + (count - tail_start) * pieces, 1, 1)
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mD, mdQaccum, mdK, mdV, mSem,
                     tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, scale_log2, dk_scale,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
-                    mSeqUsedK, *sections, tma_dk, tma_dv, tma_mdK, tma_mdV).launch(
+                    mSeqUsedK, *sections, tma_dk, tma_dv, tma_mdK, tma_mdV, tail_start, pieces,
+                    mPartial, mTickets).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -396,8 +405,13 @@ class FlashBwdSm90(DqTile):
                mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], section: Int32, tail_section: Optional[Int32],
                tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom],
-               tma_mdK: Optional[cute.Tensor], tma_mdV: Optional[cute.Tensor]):
+               tma_mdK: Optional[cute.Tensor], tma_mdV: Optional[cute.Tensor],
+               tail_start: Optional[Int32], pieces: Optional[Int32],
+               mPartial: Optional[cute.Tensor], mTickets: Optional[cute.Tensor]):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        split = None
+        if const_expr(self.cfg.split_tail):
+            split = bwd_split.SplitTail(tail_start, pieces, mPartial, mTickets)
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d, tma_dk, tma_dv):
                 if const_expr(atom is not None):
@@ -405,7 +419,7 @@ class FlashBwdSm90(DqTile):
 
         if const_expr(self.lean_prologue):  # the divisions ahead of the barrier init
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                                        section, tail_section)
+                                        section, tail_section, split)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
         # K/V, once the stores have read them.
@@ -439,7 +453,7 @@ class FlashBwdSm90(DqTile):
 
         if const_expr(not self.lean_prologue):
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                                        section, tail_section)
+                                        section, tail_section, split)
         if run:
             self.stamp(mSem, cute.arch.thread_idx()[0] - WG_THREADS,  # the first mma thread
                        {"start": None, "start_ns": cute.arch.globaltimer_lo})
@@ -460,13 +474,15 @@ class FlashBwdSm90(DqTile):
                                                             tma_mdV), sQ, sK, sV,
                          sdO, sdS, sLSE, sD, sdQ, pipe_kv, pipe_q, pipe_do, scale_log2,
                          dk_scale, tiles, mSem if const_expr(self.cfg.timeline) else None,
-                         sdK_lead)
+                         sdK_lead, split, storage.split_last.get_tensor(cute.make_layout(1))
+                         if const_expr(self.cfg.split_tail) else None)
         else:
             pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
 
     def cta_tiles(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, section,
-                  tail_section):
-        """(this CTA's tiles, whether it runs): its one KeyTile, or the persistent walk."""
+                  tail_section, split=None):
+        """(this CTA's tiles, whether it runs): its one KeyTile, or the persistent walk; with
+        ``split`` (cfg.split_tail) a tail tile's piece: its part of the query blocks."""
         tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensK=mCuSeqlensK)
         coords, count = self.tile_order(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                         section, tail_section)
@@ -476,6 +492,12 @@ class FlashBwdSm90(DqTile):
         # One tile per CTA, numbered like the persistent walk (L2 sections, longest first);
         # one past the varlen tiles leaves before any pipeline wait or named barrier,
         # uniformly over the CTA (the barriers were only initialised).
+        if const_expr(self.cfg.split_tail):
+            t, part, parts = bwd_split.piece_of(Int32(cute.arch.block_idx()[0]),
+                                                split.tail_start, split.pieces)
+            tile = tile_at(*coords(t))
+            m_begin, m_end = bwd_split.piece_range(tile.m_begin, tile.m_end, part, parts)
+            return dataclasses.replace(tile, m_begin=m_begin, m_end=m_end), tile.has_keys
         tile = tile_at(*coords(cute.arch.block_idx()[0]))
         return tile, tile.has_keys
 
@@ -630,10 +652,12 @@ class FlashBwdSm90(DqTile):
             dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
             sdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
             pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles,
-            trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor] = None):
+            trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor] = None,
+            split: Optional[bwd_split.SplitTail] = None, s_last: Optional[cute.Tensor] = None):
         """MMA warpgroups: per tile, the loop over query blocks, then the dK / dV epilogue.
         ``trace``: cfg.timeline's stamps go there (the semaphore buffer), else None;
-        ``sdK_lead``: cfg.early_dk's staging view over the sdS buffers."""
+        ``sdK_lead``: cfg.early_dk's staging view over the sdS buffers; ``split``, ``s_last``:
+        cfg.split_tail's launch values and verdict word (bwd_split.hand_over)."""
         tm, tn, d = self.tile_m, self.tile_n, self.d
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -724,7 +748,7 @@ class FlashBwdSm90(DqTile):
                  rP)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg,
-                       trace, sdK_lead)
+                       trace, sdK_lead, split, s_last)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         self.each_tile(tiles, body, (kv, st))
@@ -734,8 +758,9 @@ class FlashBwdSm90(DqTile):
                  frags, dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, pipe_kv, pipe_q, pipe_do,
                  scale_log2: Float32, dk_scale: Float32, tidx: Int32, wg: Int32,
-                 trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor], tile: KeyTile,
-                 states):
+                 trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor],
+                 split: Optional[bwd_split.SplitTail], s_last: Optional[cute.Tensor],
+                 tile: KeyTile, states):
         """One tile: zero dK / dV, the query blocks, the epilogue; returns the advanced
         (kv, q/dO) consumer states."""
         tm, tn = self.tile_m, self.tile_n
@@ -807,6 +832,14 @@ class FlashBwdSm90(DqTile):
             if const_expr(self.early_tma):
                 if cute.arch.make_warp_uniform(tidx // 32) % (WG_THREADS // 32) == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # before the CTA exits
+        elif const_expr(self.cfg.split_tail):
+            # A tail tile's piece stores nothing unless it completes the tile (bwd_split.py).
+            piece = bwd_split.piece_of(Int32(cute.arch.block_idx()[0]), split.tail_start,
+                                       split.pieces)
+            if bwd_split.hand_over((tdKrdK, tdVrdV), split, *piece, s_last, tidx,
+                                   NUM_MMA_WG * WG_THREADS, int(Barrier.SPLIT)):
+                self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile,
+                              pipe_kv, tile_kv)
         else:
             self.epilogue(mma_dkv, tdKrdK, tdVrdV, dkv, sK, sV, dk_scale, tidx, tile, pipe_kv,
                           tile_kv)

@@ -32,6 +32,7 @@ class Barrier(enum.IntEnum):
     # cfg.early_dv: one warpgroup's dV rows are in sV (DV_STAGED + wg, 128 threads)
     DV_STAGED = 11
     DV_STAGED_WG2 = 12
+    SPLIT = 13        # cfg.split_tail: a piece's partial sums are stored / its ticket read
 
 
 def parity_barrier(even: Barrier, odd: Barrier, step: Int32) -> Int32:

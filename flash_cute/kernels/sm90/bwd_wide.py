@@ -185,9 +185,11 @@ class FlashBwdWideSm90(FlashBwdSm90):
             dkv: DkvOut, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sdO: cute.Tensor,
             sPdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Tensor, pipe_kv,
             pipe_q, pipe_do, scale_log2: Float32, dk_scale: Float32, tiles,
-            trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor] = None):
+            trace: Optional[cute.Tensor], sdK_lead: Optional[cute.Tensor] = None,
+            split=None, s_last=None):
         """MMA warpgroups: the per-thread fragments, then bwd.py's tile loop (mma_tile) with
-        this class's m_step (``sdK_lead``: None, cfg.early_dk is the narrow kernel's)."""
+        this class's m_step (``sdK_lead``, ``split``, ``s_last``: None, cfg.early_dk and
+        cfg.split_tail are the narrow kernel's)."""
         tm, d, chunk = self.tile_m, self.d, self.cfg.dq_chunk
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
@@ -243,7 +245,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
                  t0ScS)
         body = partial(self.mma_tile, mma_sdp, mma_dkv, mma_dq, frags, dkv, sQ, sK, sV,
                        sdO, sLSE, sD, pipe_kv, pipe_q, pipe_do, scale_log2, dk_scale, tidx, wg,
-                       trace, sdK_lead)
+                       trace, sdK_lead, split, s_last)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         st = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         if const_expr(self.cfg.do_stages):  # dO on its own ring: (Q state, dO state)
