@@ -11,10 +11,10 @@ A piece accumulates dK / dV over its query blocks as a whole tile does (dQ is ad
 dQaccum per query block anyway), then ``hand_over``: it stores its fp32 sums in its slot of
 the partials (thread-fastest, so a warp's stores are coalesced and every piece's thread i
 holds the same accumulator elements), and takes a ticket on its tile (an acq_rel atomic by
-one thread after the mma threads' barrier, which orders their stores before it). The piece
-whose ticket is the last adds the other pieces' slots into its registers, zeroes the ticket
-for the next launch and runs the epilogue; the others leave. No CTA ever waits on another, so
-the protocol ends in any launch order.
+one thread after a fence in each mma thread and their barrier). The piece whose ticket is
+the last adds the other pieces' slots into its registers, zeroes the ticket for the next
+launch and runs the epilogue; the others leave. No CTA ever waits on another, so the
+protocol ends in any launch order.
 """
 from dataclasses import dataclass
 
@@ -70,6 +70,7 @@ def hand_over(accs, split: SplitTail, tile: Int32, part: Int32, parts: Int32,
         own = split.mPartial[first + part, None, tidx]
         for acc, offset in zip(accs, offsets):
             _slot_view(own, offset, acc).store(acc.load())
+        cute.arch.fence_acq_rel_gpu()  # as the classic reduction: each thread's stores first
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
         if tidx == 0:  # after the barrier: releases every mma thread's stores (cumulative)
             old = cute.arch.atomic_add(split.mTickets.iterator + r, Int32(1), sem="acq_rel",
