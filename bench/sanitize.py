@@ -72,6 +72,16 @@ def check_fa4(d, causal, sq, sk):
     print(f"fa4 d={d} causal={causal} sq={sq} sk={sk}: ran", flush=True)
 
 
+def with_bwd_env(spec, sms, fn):
+    """fn() with FLASH_CUTE_BWD_CONFIG=spec and a backward plan for ``sms`` SMs."""
+    os.environ.update(FLASH_CUTE_BWD_CONFIG=spec, FLASH_CUTE_BWD_NUM_SMS=str(sms))
+    try:
+        return fn()
+    finally:
+        for name in ("FLASH_CUTE_BWD_CONFIG", "FLASH_CUTE_BWD_NUM_SMS"):
+            os.environ.pop(name)
+
+
 CASES = {
     "bwd128c": lambda: check(128, True, 200, 333),
     "bwd64": lambda: check(64, False, 130, 70),
@@ -105,6 +115,11 @@ CASES = {
     # for the last round, cut into 5 pieces of 4 key blocks (the fp32 slots, the flags).
     "fwd_split": lambda: [check(d, False, sq, 2500, persistent="ctas=5", backward=False,
                                 split="all") for d, sq in ((64, 1000), (128, 900), (256, 900))],
+    # The backward's split tail (BwdSm90Config.split_tail), planned for 3 SMs: 2 heads x 8
+    # key blocks = 16 tiles, 1 left, cut into 3 pieces (the slots, the tickets); d=128 is the
+    # 80-row talt tile.
+    "bwd_split": lambda: with_bwd_env("split_tail=1", 3, lambda: [
+        check(d, False, sq, 1000) for d, sq in ((64, 700), (128, 1100))]),
     "varlen128c": lambda: check_varlen(128, True),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
