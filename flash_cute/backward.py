@@ -140,10 +140,14 @@ def _sched_args(persistent: bool, device: torch.device, seqlen_q: int, seqlen_k:
     sections = l2_sections(seqlen_q, d, 4, num_hb, -(-seqlen_k // tile_n), sms, causal)
     if not persistent:
         return None, *sections
+    return _sms_override(sms), *sections
+
+
+def _sms_override(sms: int) -> int:
+    """NUM_SMS_ENV's count where set, never more than the SMs (the deterministic waits of the
+    persistent kernel need every CTA resident)."""
     override = int(os.environ.get(NUM_SMS_ENV, "0"))
-    if override > 0:  # never more CTAs than SMs: the deterministic waits need them all resident
-        sms = min(override, sms)
-    return sms, *sections
+    return min(override, sms) if override > 0 else sms
 
 
 def unsupported_bwd_option(*, head_dim: int, window_size=(-1, -1),
@@ -679,12 +683,10 @@ def _split_args(device, cfg: BwdSm90Config, num_hb: int, sq: int, sk: int, whole
     count, for tests), or none at all (``whole``: causal tiles are unequal, LPT order deals
     them; deterministic calls sum in a fixed order) with the same kernel."""
     num_tiles = -(-sk // cfg.tile_n) * num_hb
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    override = int(os.environ.get(NUM_SMS_ENV, "0"))
-    tail_start, pieces = split_tail_plan(num_tiles, min(override, sms) if override > 0 else sms,
-                                         -(-sq // cfg.tile_m))
-    if whole:
-        tail_start, pieces = num_tiles, 1
+    tail_start, pieces = num_tiles, 1
+    if not whole:
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        tail_start, pieces = split_tail_plan(num_tiles, _sms_override(sms), -(-sq // cfg.tile_m))
     pieces_all = (num_tiles - tail_start) * pieces
     return (tail_start, pieces, *partials_workspace(device, split_slot_shape(cfg.head_dim),
                                                     max(pieces_all, 1),

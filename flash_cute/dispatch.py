@@ -193,19 +193,29 @@ def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: boo
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
     own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail; short_last:
     FwdSm90Config.short_last."""
-    own_o = own_o and persistent
-    key = (("fwd", arch, dtype_name, d, causal, varlen) + (("persistent",) if persistent else ())
-           + (("dynamic",) if dynamic else ()) + (("narrow",) if narrow else ())
-           + (("own_o",) if own_o else ()) + (("split",) if split else ())
-           + (("short_last",) if short_last else ()))
+    flags = kernel_flags(persistent, dynamic, narrow, own_o, split, short_last)
+    key = ("fwd", arch, dtype_name, d, causal, varlen) + flags
     with _cache_lock:
         if key not in _cache:
-            overrides = fwd_overrides(d, causal, persistent, dynamic, narrow, own_o, varlen,
-                                      split)
-            if short_last:
-                overrides = {**overrides, "short_last": True}
-            _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, **overrides)
+            _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen,
+                                       **kernel_overrides(d, causal, varlen, flags))
         return _cache[key]
+
+
+def kernel_flags(persistent, dynamic, narrow, own_o, split, short_last) -> tuple:
+    """get_fwd_kernel's flags that are on, in its key's order (own_o: persistent only)."""
+    return ((("persistent",) if persistent else ()) + (("dynamic",) if dynamic else ())
+            + (("narrow",) if narrow else ()) + (("own_o",) if own_o and persistent else ())
+            + (("split",) if split else ()) + (("short_last",) if short_last else ()))
+
+
+def kernel_overrides(d: int, causal: bool, varlen: bool, flags: tuple) -> dict:
+    """The FwdSm90Config overrides of the kernel with these kernel_flags."""
+    on = {f: True for f in flags}
+    overrides = fwd_overrides(d, causal, on.get("persistent", False), on.get("dynamic", False),
+                              on.get("narrow", False), on.get("own_o", False), varlen,
+                              on.get("split", False))
+    return {**overrides, "short_last": True} if on.get("short_last") else overrides
 
 
 def fwd_variants(varlen: bool = False):
@@ -220,13 +230,6 @@ def fwd_variants(varlen: bool = False):
 _SWEEP_SEQLENS = (1, 100, 192, 500, 1000, 1024, 2048, 4096, 8192, 15360, 16384, 65536)
 _SWEEP_PAIRS = (1, 8, 16, 21, 40, 128, 512, 2048)  # batch x heads
 _SWEEP_SMS = (132, 114, 78)
-
-
-def kernel_flags(persistent, dynamic, narrow, own_o, split, short_last) -> tuple:
-    """get_fwd_kernel's flags that are on, in its key's order (own_o: persistent only)."""
-    on = (persistent, dynamic, narrow, own_o and persistent, split, short_last)
-    return tuple(n for n, f in zip(("persistent", "dynamic", "narrow", "own_o", "split",
-                                    "short_last"), on) if f)
 
 
 def shipped_fwd_kernels():

@@ -145,12 +145,7 @@ def test_every_shipped_kernel_is_compiled_here():
     here |= {_config(d, c, True, fwd_overrides(d, c, persistent=True, dynamic=c, own_o=o,
                                                varlen=True)) for d, c, o in PERSISTENT_VARLEN}
     for d, causal, varlen, flags in dispatch.shipped_fwd_kernels():
-        on = {f: True for f in flags}
-        overrides = fwd_overrides(d, causal, on.get("persistent", False),
-                                  on.get("dynamic", False), on.get("narrow", False),
-                                  on.get("own_o", False), varlen, on.get("split", False))
-        if on.get("short_last"):
-            overrides = {**overrides, "short_last": True}
+        overrides = dispatch.kernel_overrides(d, causal, varlen, flags)
         assert _config(d, causal, varlen, overrides) in here, (d, causal, varlen, flags)
 
 

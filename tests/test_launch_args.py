@@ -82,13 +82,16 @@ def test_batched_launch_matches_compile(launched, monkeypatch, d, causal, walk, 
     assert len(launched) == 1
 
 
-def test_split_tail_launch_is_covered(launched, monkeypatch):
-    """The static walk's split kernel is among the launches checked above."""
+@pytest.mark.parametrize("env,flag,d,sk", [(dispatch.SPLIT_TAIL_ENV, "all", 128, 2500),
+                                            (dispatch.SHORT_LAST_ENV, "1", 64, 900)])
+def test_flagged_static_walk_launch(launched, monkeypatch, env, flag, d, sk):
+    """The static walk's split kernel (FLASH_CUTE_FWD_SPLIT_TAIL=all) and short_last kernel
+    (FLASH_CUTE_FWD_SHORT_LAST=1, a ragged call) are among the launches checked here."""
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "ctas=5")
-    monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, "all")
-    q, k, v = _qkv((2, 700, 4, 128), (2, 2500, 2, 128))
+    monkeypatch.setenv(env, flag)
+    q, k, v = _qkv((2, 700, 4, d), (2, sk, 2, d))
     dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False)
-    assert launched[0].split
+    assert launched[0].split if env == dispatch.SPLIT_TAIL_ENV else launched[0].short_last
 
 
 @pytest.mark.parametrize("walk", ["0", "ctas=5", "dyn:ctas=5", "auto"])
@@ -105,15 +108,6 @@ def test_varlen_launch_matches_compile(launched, monkeypatch, d, causal, walk, s
                  cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900, seqused_q=used,
                  seqused_k=used)
     assert len(launched) == 1
-
-
-def test_short_last_launch(launched, monkeypatch):
-    """FLASH_CUTE_FWD_SHORT_LAST=1 takes the short_last kernel for a ragged static walk."""
-    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "ctas=5")
-    monkeypatch.setenv(dispatch.SHORT_LAST_ENV, "1")
-    q, k, v = _qkv((2, 700, 4, 64), (2, 900, 2, 64))
-    dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False)
-    assert launched[0].short_last
 
 
 def test_split_tail_env_checked(launched, monkeypatch):
