@@ -153,8 +153,10 @@ VARIANTS = {
     "early_dkv_tma": {"early_dv": True, "early_dk": True, "early_tma": True},
     # Session 37 (BwdSm90Config.split_tail, kernels/sm90/bwd_split.py): the last wave's tiles
     # cut along their query blocks into pieces that hand dK / dV over; non-causal only (the
-    # causal kernel runs unsplit). Predicted +1.5-2% on the grid's non-causal cells.
+    # causal kernel runs unsplit). Predicted +1.5-2% on the grid's non-causal cells. Shipped
+    # since session 38 (backward.split_tail_overrides): "default" has it, "no_split" not.
     "split_tail": {"split_tail": True},
+    "no_split": {"split_tail": False},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.

@@ -120,6 +120,10 @@ CASES = {
     # 80-row talt tile.
     "bwd_split": lambda: with_bwd_env("split_tail=1", 3, lambda: [
         check(d, False, sq, 1000) for d, sq in ((64, 700), (128, 1100))]),
+    # ... one head dim per process, split or not (racecheck's baseline for the same walk).
+    **{f"bwd_split{d}_{on}": (lambda d=d, sq=sq, on=on: with_bwd_env(
+        f"split_tail={on}", 3, lambda: check(d, False, sq, 1000)))
+       for d, sq in ((64, 700), (128, 1100)) for on in (0, 1)},
     "varlen128c": lambda: check_varlen(128, True),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }

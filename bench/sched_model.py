@@ -24,18 +24,14 @@ def deal(num_blocks, num_hb, section, ctas, causal=True, tail=None):
     return walk(work, num_blocks * num_hb, ctas)
 
 
-def ragged_deal(seqlen, tile_m, num_hb, section, ctas, short_cost, short_last):
-    """Non-causal tiles whose last query block is short (seqlen % tile_m rows, costing
-    ``short_cost`` of a full tile), in tile_coords' order or with the short ones numbered last
-    (scheduler.short_last_coords, FwdSm90Config.short_last)."""
+def ragged_deal(seqlen, tile_m, num_hb, section, ctas, short_cost):
+    """Non-causal tiles in tile_coords' order whose last query block is short (seqlen % tile_m
+    rows, costing ``short_cost`` of a full tile)."""
     num_blocks = -(-seqlen // tile_m)
-    uneven = int(seqlen % tile_m != 0)
-    def plain(t, nb):
-        return scheduler.tile_coords(t, nb, num_hb, num_hb, section, None, False)
+    uneven = seqlen % tile_m != 0
 
     def work(t):
-        block = (scheduler.short_last_coords(t, num_blocks, num_hb, num_hb, uneven, plain)
-                 if short_last else plain(t, num_blocks))[0]
+        block = scheduler.tile_coords(t, num_blocks, num_hb, num_hb, section, None, False)[0]
         return short_cost if uneven and block == num_blocks - 1 else 1.0
     return walk(work, num_blocks * num_hb, ctas)
 
@@ -79,7 +75,6 @@ if __name__ == "__main__":
         num_hb = (16384 // s) * 32
         section = heads_per_section(s, 64, 2, num_hb, fwd_l2_budget(False))
         for cost in (1 / 3, 1 / 2, 2 / 3):
-            (plain, dyn), (last, _) = (ragged_deal(s, 192, num_hb, section, SMS, cost, sl)
-                                       for sl in (False, True))
+            plain, dyn = ragged_deal(s, 192, num_hb, section, SMS, cost)
             print(f"d=64 s={s} non-causal, short tile {cost:.2f}: max/mean static {plain:.3f}, "
-                  f"short last {last:.3f}, dynamic {dyn:.3f}")
+                  f"dynamic {dyn:.3f}")

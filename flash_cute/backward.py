@@ -82,7 +82,7 @@ last_timeline = None
 NO_VARLEN_Q = (None,) * 2
 # The main kernel's split-tail arguments (tail_start, pieces, partials, tickets) without one.
 NO_SPLIT = (None,) * 4
-# BwdSm90Config.split_tail (opt-in: FLASH_CUTE_BWD_CONFIG=split_tail=1): pieces per tail tile
+# BwdSm90Config.split_tail (split_tail_overrides): pieces per tail tile
 # tried, the fewest giving the shortest last wave, ceil(R k / SMs) / k of a tile's time for R
 # tail tiles (R = 68 of 2048 on 132 SMs: 3 pieces, 0.67). Each piece re-loads K / V and
 # hands over d fp32 per mma thread, hence few.
@@ -459,6 +459,13 @@ BWD_TALT_CAUSAL_MIN_SEQLEN_Q = 16384
 # 537 / 513.
 BWD_SWIZZLE_DQ_MAX_SEQLEN_Q = 1024
 _TILE_FIELDS = frozenset(("tile_m", "dq_split", "swizzle_dq"))
+# The last wave's tiles split into pieces (BwdSm90Config.split_tail) in the one-tile-per-CTA
+# kernel of batched non-causal, non-deterministic calls (causal tiles are unequal and dealt
+# longest first; deterministic calls sum in a fixed order). H100, session 38 (bench/exp_bwd.py
+# --cells 128:16384:0,128:4096:0,64:16384:0,64:4096:0 default split_tail, TFLOP/s): d=128
+# 16k 609 / 614, 4k 554 / 556; d=64 16k 539 / 542, 4k 457 / 479.
+BWD_SPLIT_TAIL_HEAD_DIMS = (64, 96, 128)  # the narrow kernel's epilogue
+_SPLIT_TAIL_BLOCKERS = frozenset(("split_tail", "persistent", "timeline", "early_dv", "early_dk"))
 
 
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
@@ -482,6 +489,18 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
             and not persistent and not chosen & _TILE_FIELDS):
         out = {**(out or {}), "swizzle_dq": True}
     return out
+
+
+def split_tail_overrides(d: int, overrides=None, causal: bool = False,
+                         deterministic: bool = False, persistent: bool = False):
+    """``overrides`` (batched_overrides') with split_tail on where it ships
+    (BWD_SPLIT_TAIL_HEAD_DIMS), unless the caller or FLASH_CUTE_BWD_CONFIG sets a field it
+    cannot go with. A per-call choice: the same kernel for any lengths."""
+    chosen = set(overrides or {}) | set(env_overrides())
+    if (d in BWD_SPLIT_TAIL_HEAD_DIMS and not causal and not deterministic and not persistent
+            and not chosen & _SPLIT_TAIL_BLOCKERS):
+        return {**(overrides or {}), "split_tail": True}
+    return overrides
 
 
 def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:
@@ -641,7 +660,9 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _zero_grads(q, k, v)
     _require_runnable(d, q.device)
     persistent = _resolve_persistent(persistent, d)
-    cfg_overrides = batched_overrides(d, cfg_overrides, bool(causal), sq, persistent)
+    cfg_overrides = split_tail_overrides(
+        d, batched_overrides(d, cfg_overrides, bool(causal), sq, persistent), bool(causal),
+        bool(deterministic), persistent)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,

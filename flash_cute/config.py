@@ -74,12 +74,6 @@ class FwdSm90Config:
     # Otherwise that round keeps R of the SMs busy (d=128 16 heads x 16k: 2048 tiles on 132
     # SMs, 68 of them in the last round, about 3% of the call idle).
     split_tail: bool = False
-    # Static persistent walk, non-causal, batched: when seqlen_q is not a multiple of tile_m,
-    # number every (batch, head)'s short last query block after all the full tiles
-    # (scheduler.short_last_coords), so the walk's last rounds hold the short tiles. Otherwise
-    # the CTAs that get one tile more than the others (the last, partial round) get mostly
-    # full ones: d=64's 192-row tiles at 4k leave a model's 5-6% of the call idle, 1k 6-9%.
-    short_last: bool = False
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg not in (2, 3):
@@ -90,8 +84,6 @@ class FwdSm90Config:
             raise ValueError("own_o: persistent only (one tile per CTA never reloads Q)")
         if self.split_tail and (self.dynamic or not self.persistent):
             raise ValueError("split_tail splits the static persistent walk's last round")
-        if self.short_last and (self.dynamic or not self.persistent):
-            raise ValueError("short_last orders the static persistent walk's tiles")
         if self.early_rescale and self.pingpong:
             raise ValueError("early_rescale would run inside the ping-pong GEMM turn")
 
@@ -291,7 +283,13 @@ def split_tail_ctas(num_tiles: int, ctas: int, nblk: int, min_idle: float = 0.0)
 VARLEN_FWD_PERSISTENT_AUTO = True
 
 
-def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):
+# Head dims whose non-causal batched calls take the dynamic walk too. d=64, H100 / H200
+# (session 38, bench/exp_fwd.py --shapes d64nc2, interleaved): +4-7% over the static walk
+# from 512 to 8k queries, ragged (1k, 4k) or not (1.5k, 3k), +2% at 16k; d=128 4k -1.4%.
+DYNAMIC_NONCAUSAL_FWD_HEAD_DIMS = (64,)
+
+
+def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool, d: int):
     """Per-call choice of the forward launch (docs/performance.md, "Persistent forward" and
     "Dynamic persistent forward"): None (one tile per CTA), "static" or "dynamic".
 
@@ -301,10 +299,11 @@ def persistent_fwd_walk(num_tiles: int, num_sms: int, causal: bool):
     deals them evenly (H200: +6-12% at d=64 and at s=512, +-2% at d=256 s=4k, +2% / -9% in two
     runs at d=128 s=4k). Causal tiles are not: the static walk lost up to 40%
     (bench/sched_model.py explains it), the dynamic one (atomic tile counter) gained 2-8% over
-    the one-tile grid in 6 of 7 cells (-2% at d=256 s=1k)."""
+    the one-tile grid in 6 of 7 cells (-2% at d=256 s=1k). DYNAMIC_NONCAUSAL_FWD_HEAD_DIMS
+    take the dynamic walk non-causal too."""
     if num_tiles <= num_sms:
         return None
-    return persistent_fwd_order(causal)
+    return "dynamic" if d in DYNAMIC_NONCAUSAL_FWD_HEAD_DIMS else persistent_fwd_order(causal)
 
 
 def persistent_fwd_order(causal: bool) -> str:
@@ -603,8 +602,8 @@ class BwdSm90Config:
     # before it exits. GPU-checked bitwise (session 32). Off with early_dk (session 34:
     # early_dkv_tma within -1% .. +2% of the default, the noise of those cells).
     early_tma: bool = False
-    # One tile per CTA, batched, non-causal, not deterministic (opt-in, session 37, not yet
-    # run on a GPU): the R tiles of the grid's last, partial wave are each cut along their
+    # One tile per CTA, batched, non-causal, not deterministic (backward.split_tail_overrides
+    # ships it there, session 38): the R tiles of the grid's last, partial wave are each cut along their
     # query blocks into ``pieces`` CTAs (runtime arguments), so the wave's work spreads over
     # all SMs. Each piece stores its fp32 dK / dV sums in a slot of its own, then takes a
     # ticket on its tile (acq_rel atomic); the last to arrive adds the others' slots and runs

@@ -32,7 +32,7 @@ DEFAULT_ARCH = "sm_90a"
 _cache: dict = {}
 _cache_lock = threading.Lock()
 # Persistent forward. Unset or "auto": as config.persistent_fwd_walk says (past one wave:
-# static walk non-causal, dynamic causal), one CTA per SM; "0": never; "1": the static walk
+# static walk non-causal but at d=64, dynamic causal), one CTA per SM; "0": never; "1": the static walk
 # past one wave, causal too; "ctas=N": the static walk on every call with N CTAs (tests: long
 # tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with the dynamic
 # tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls follow it when it is
@@ -47,9 +47,6 @@ PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 SPLIT_TAIL_ENV = "FLASH_CUTE_FWD_SPLIT_TAIL"
 SPLIT_TAIL_DEFAULT = "auto"
 SPLIT_TAIL_MODES = ("auto", "0", "kernel", "all")
-# "1": the static walk numbers a ragged call's short last query blocks after its full tiles
-# (FwdSm90Config.short_last; session 37, modelled, not yet timed); "0" (default): off.
-SHORT_LAST_ENV = "FLASH_CUTE_FWD_SHORT_LAST"
 
 
 def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
@@ -188,12 +185,11 @@ def compile_kernel(fn, args, keep=False):
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                    persistent: bool = False, dynamic: bool = False, narrow: bool = False,
-                   own_o: bool = False, split: bool = False, short_last: bool = False):
+                   own_o: bool = False, split: bool = False):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
-    own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail; short_last:
-    FwdSm90Config.short_last."""
-    flags = kernel_flags(persistent, dynamic, narrow, own_o, split, short_last)
+    own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail."""
+    flags = kernel_flags(persistent, dynamic, narrow, own_o, split)
     key = ("fwd", arch, dtype_name, d, causal, varlen) + flags
     with _cache_lock:
         if key not in _cache:
@@ -202,20 +198,19 @@ def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: boo
         return _cache[key]
 
 
-def kernel_flags(persistent, dynamic, narrow, own_o, split, short_last) -> tuple:
+def kernel_flags(persistent, dynamic, narrow, own_o, split) -> tuple:
     """get_fwd_kernel's flags that are on, in its key's order (own_o: persistent only)."""
     return ((("persistent",) if persistent else ()) + (("dynamic",) if dynamic else ())
             + (("narrow",) if narrow else ()) + (("own_o",) if own_o and persistent else ())
-            + (("split",) if split else ()) + (("short_last",) if short_last else ()))
+            + (("split",) if split else ()))
 
 
 def kernel_overrides(d: int, causal: bool, varlen: bool, flags: tuple) -> dict:
     """The FwdSm90Config overrides of the kernel with these kernel_flags."""
     on = {f: True for f in flags}
-    overrides = fwd_overrides(d, causal, on.get("persistent", False), on.get("dynamic", False),
-                              on.get("narrow", False), on.get("own_o", False), varlen,
-                              on.get("split", False))
-    return {**overrides, "short_last": True} if on.get("short_last") else overrides
+    return fwd_overrides(d, causal, on.get("persistent", False), on.get("dynamic", False),
+                         on.get("narrow", False), on.get("own_o", False), varlen,
+                         on.get("split", False))
 
 
 def fwd_variants(varlen: bool = False):
@@ -242,13 +237,12 @@ def shipped_fwd_kernels():
                                                  _SWEEP_SEQLENS):
             p = fwd_plan(d, causal, hb, sq, sk, sms=sms)
             kernels.add((d, causal, False, kernel_flags(p.ctas is not None, p.dynamic, p.narrow,
-                                                        p.own_o, p.split, p.short_last)))
+                                                        p.own_o, p.split)))
         for sms, max_k in itertools.product(_SWEEP_SMS, _SWEEP_SEQLENS):
             ctas, dynamic = (_varlen_persistent_ctas(None, d, causal, 16384, 8, 16, sms)
                              or (None, False))
             kernels.add((d, causal, True, kernel_flags(ctas is not None, dynamic, False,
-                                                       fwd_own_o(d, causal, max_k), False,
-                                                       False)))
+                                                       fwd_own_o(d, causal, max_k), False)))
     return sorted(kernels)
 
 
@@ -291,7 +285,7 @@ def _persistent_ctas(device, d: int, causal: bool, seqlen_q: int, num_hb: int, t
         overrides = persistent_fwd_overrides(d, causal, dynamic)
         return None if overrides is None else (int(walk[len("ctas="):]), dynamic)
     sms = sms or num_sms(device)
-    choice = persistent_fwd_walk(-(-seqlen_q // tile_m) * num_hb, sms, causal)
+    choice = persistent_fwd_walk(-(-seqlen_q // tile_m) * num_hb, sms, causal, d)
     if choice is None:
         return None
     if walk == "auto":
@@ -358,8 +352,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     plan = fwd_plan(d, bool(causal), b * h, sq, sk, q.device)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                             persistent=plan.ctas is not None, dynamic=plan.dynamic,
-                            narrow=plan.narrow, own_o=plan.own_o, split=plan.split,
-                            short_last=plan.short_last)
+                            narrow=plan.narrow, own_o=plan.own_o, split=plan.split)
     num_tiles = -(-sq // plan.tile_m) * b * h
     sections = l2_sections(sk, d, q.element_size(), b * h, num_tiles // (b * h),
                            plan.ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
@@ -381,7 +374,6 @@ class FwdPlan(NamedTuple):
     own_o: bool  # asked for; get_fwd_kernel applies it to the persistent kernel only
     split: bool  # the split-tail kernel
     tail: int  # its tail_ctas argument (0: run without a split)
-    short_last: bool
     tile_m: int
 
 
@@ -389,7 +381,7 @@ def fwd_plan(d: int, causal: bool, num_hb: int, sq: int, sk: int, device=None,
              sms: int | None = None) -> FwdPlan:
     """What dispatch.fwd runs for a batched call of num_hb (batch x heads) pairs, sq queries
     and sk keys (> 0 each), on ``device`` or, without one, a GPU of ``sms`` SMs. Reads the
-    environment's overrides (PERSISTENT_FWD_ENV, SPLIT_TAIL_ENV, SHORT_LAST_ENV)."""
+    environment's overrides (PERSISTENT_FWD_ENV, SPLIT_TAIL_ENV)."""
     narrow = narrow_fwd(d, causal, sq)
     tile_m = fwd_tile_m(d, narrow)
     ctas, dynamic = _persistent_ctas(device, d, causal, sq, num_hb, tile_m, sms) or (None, False)
@@ -402,10 +394,8 @@ def fwd_plan(d: int, causal: bool, num_hb: int, sq: int, sk: int, device=None,
         min_idle = 0.0 if split_mode == "all" else split_tail_min_idle(d, nblk)
         if min_idle is not None:
             tail = split_tail_ctas(-(-sq // tile_m) * num_hb, ctas, nblk, min_idle)
-    short_last = (ctas is not None and not dynamic and not causal and sq % tile_m != 0
-                  and os.environ.get(SHORT_LAST_ENV, "0") == "1")
     return FwdPlan(narrow, ctas, dynamic, own_o, tail > 0, 0 if split_mode == "kernel" else tail,
-                   short_last, tile_m)
+                   tile_m)
 
 
 _TILE_COUNTERS = {}  # (device index, stream handle) -> counter

@@ -65,12 +65,7 @@ EXPERIMENTS = ([("BFloat16", 64, True, fwd_overrides(64, True, p, dyn, narrow=Tr
                + [(dt, d, False, fwd_overrides(d, False, True, own_o=o, split=True))
                   for dt in ("BFloat16", "Float16")
                   for d, o in ((64, False), (64, True), (96, True), (128, True), (192, False),
-                               (256, False))]
-               # Session 37 (opt-in, not yet timed): d=64's short last query blocks numbered
-               # after the full tiles in the static walk, own_o and not, with the split tail.
-               + [("BFloat16", 64, False, {**fwd_overrides(64, False, True, own_o=o, split=sp),
-                                           "short_last": True})
-                  for o in (False, True) for sp in (False, True)])
+                               (256, False))])
 
 
 @functools.lru_cache(maxsize=None)

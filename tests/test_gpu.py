@@ -354,25 +354,6 @@ def test_forward_split_tail(d, monkeypatch):
     check_graph_replay(call, expected)
 
 
-@pytest.mark.skipif(_ON_CPU, reason="the stand-in has no tile order")
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("split", ["0", "all"])
-def test_forward_short_last(d, split, monkeypatch):
-    """The static walk with the short last query blocks numbered last (FwdSm90Config.
-    short_last) against the oracle, over grids smaller and larger than the tile count, with
-    and without the split tail; without it every tile is computed as in the plain walk, so
-    bitwise the same (the split cuts other tiles, so only the oracle there)."""
-    q, k, v = qkv_inputs(3, 700, 1100, 5, 5, d, seed=29)  # 700 = 3 x 192 + 124 = 5 x 128 + 60
-    monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, split)
-    for ctas in (7, 132, 1000):
-        monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, f"ctas={ctas}")
-        monkeypatch.setenv(dispatch.SHORT_LAST_ENV, "0")
-        plain, _ = run_and_check(q, k, v)
-        monkeypatch.setenv(dispatch.SHORT_LAST_ENV, "1")
-        out, _ = run_and_check(q, k, v)
-        assert split != "0" or torch.equal(out, plain), ctas
-
-
 @pytest.mark.skipif(_ON_CPU, reason="the stand-in's reference path may synchronize")
 @pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, True)])
 def test_training_step_never_waits_for_the_gpu(d, causal):
@@ -546,15 +527,16 @@ def test_grads_deterministic(d, causal, hk):
 
 @pytest.mark.skipif(_ON_CPU, reason="the stand-in has no backward kernel")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,hk", [(64, 4), (96, 2), (128, 4), (128, 1)])
-def test_grads_split_tail(d, hk, causal, monkeypatch):
-    """BwdSm90Config.split_tail (opt-in) planned for 5 SMs: 2 x 4 heads x 11 key blocks = 88
-    tiles, 3 left after 17 waves, each cut in 3 pieces whose dK / dV partials the last one
-    adds up (d=128: the 80-row talt tile). Against the oracle, twice (the tickets are left
-    zero for the next launch); causal runs the same kernel with no split."""
-    monkeypatch.setenv(backward.CONFIG_ENV, "split_tail=1")
+@pytest.mark.parametrize("d,hk,sq", [(64, 4, 1100), (96, 2, 1100), (128, 4, 1100), (128, 1, 1100),
+                                    (64, 2, 700), (128, 2, 700)])
+def test_grads_split_tail(d, hk, sq, causal, monkeypatch):
+    """BwdSm90Config.split_tail (shipped: backward.split_tail_overrides) planned for 5 SMs:
+    2 x 4 heads x 11 key blocks = 88 tiles, 3 left after 17 waves, each cut in 3 pieces whose
+    dK / dV partials the last one adds up (d=128 1100: the 80-row talt tile; 700: swizzled dQ
+    rows). Against the oracle, twice (the tickets are left zero for the next launch); causal
+    runs the unsplit kernel."""
     monkeypatch.setenv(backward.NUM_SMS_ENV, "5")
-    q, k, v = qkv_inputs(2, 1100, 1300, 4, hk, d, seed=d + hk + 60)
+    q, k, v = qkv_inputs(2, sq, 1300, 4, hk, d, seed=d + hk + 60)
     for _ in range(2):
         check_grads(q, k, v, (0, 1, 2), causal=causal)
     torch.cuda.synchronize()

@@ -26,7 +26,7 @@ class _Launch:
     def __init__(self, fn, args, launched):
         self.name, self.expected, self.launched = type(fn).__name__, args, launched
         cfg = getattr(fn, "cfg", None)
-        self.split, self.short_last = (getattr(cfg, f, False) for f in ("split_tail", "short_last"))
+        self.split = getattr(cfg, "split_tail", False)
 
     def __call__(self, *args):
         assert len(args) == len(self.expected), (self.name, len(args), len(self.expected))
@@ -82,16 +82,14 @@ def test_batched_launch_matches_compile(launched, monkeypatch, d, causal, walk, 
     assert len(launched) == 1
 
 
-@pytest.mark.parametrize("env,flag,d,sk", [(dispatch.SPLIT_TAIL_ENV, "all", 128, 2500),
-                                            (dispatch.SHORT_LAST_ENV, "1", 64, 900)])
-def test_flagged_static_walk_launch(launched, monkeypatch, env, flag, d, sk):
-    """The static walk's split kernel (FLASH_CUTE_FWD_SPLIT_TAIL=all) and short_last kernel
-    (FLASH_CUTE_FWD_SHORT_LAST=1, a ragged call) are among the launches checked here."""
+def test_split_static_walk_launch(launched, monkeypatch):
+    """The static walk's split kernel (FLASH_CUTE_FWD_SPLIT_TAIL=all) is among the launches
+    checked here."""
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, "ctas=5")
-    monkeypatch.setenv(env, flag)
-    q, k, v = _qkv((2, 700, 4, d), (2, sk, 2, d))
+    monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, "all")
+    q, k, v = _qkv((2, 700, 4, 128), (2, 2500, 2, 128))
     dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False)
-    assert launched[0].split if env == dispatch.SPLIT_TAIL_ENV else launched[0].short_last
+    assert launched[0].split
 
 
 @pytest.mark.parametrize("walk", ["0", "ctas=5", "dyn:ctas=5", "auto"])
@@ -181,23 +179,23 @@ def test_every_plan_is_a_shipped_kernel(d, causal, num_hb, sq, sk, sms):
     compile_all_variants warms and test_compile builds), the environment at its defaults."""
     global _SHIPPED
     env = {k: v for k, v in os.environ.items() if k not in (
-        dispatch.PERSISTENT_FWD_ENV, dispatch.SPLIT_TAIL_ENV, dispatch.SHORT_LAST_ENV)}
+        dispatch.PERSISTENT_FWD_ENV, dispatch.SPLIT_TAIL_ENV)}
     with mock.patch.dict(os.environ, env, clear=True):
         _SHIPPED = _SHIPPED or set(dispatch.shipped_fwd_kernels())
         p = dispatch.fwd_plan(d, causal, num_hb, sq, sk, sms=sms)
-    flags = dispatch.kernel_flags(p.ctas is not None, p.dynamic, p.narrow, p.own_o, p.split,
-                                  p.short_last)
+    flags = dispatch.kernel_flags(p.ctas is not None, p.dynamic, p.narrow, p.own_o, p.split)
     assert (d, causal, False, flags) in _SHIPPED
 
 
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,deterministic", [(False, False), (True, False), (False, True)])
-def test_backward_split_tail_launch(launched, monkeypatch, d, causal, deterministic):
-    """BwdSm90Config.split_tail (FLASH_CUTE_BWD_CONFIG=split_tail=1) on 5 SMs: 2 x 2 heads x
-    ceil(900 / 128) = 32 key-block tiles, 2 left after 6 waves, cut in 2 pieces each (the
-    fewest giving the shortest last wave); causal and deterministic calls run the same
-    kernel unsplit."""
-    monkeypatch.setenv(backward.CONFIG_ENV, "split_tail=1")
+@pytest.mark.parametrize("env", ["", "split_tail=1"])
+def test_backward_split_tail_launch(launched, monkeypatch, d, causal, deterministic, env):
+    """BwdSm90Config.split_tail (shipped for non-causal, non-deterministic calls) on 5 SMs:
+    2 x 2 heads x ceil(900 / 128) = 32 key-block tiles, 2 left after 6 waves, cut in 2
+    pieces each (the fewest giving the shortest last wave); causal and deterministic calls
+    run the unsplit kernel, or the split one unsplit where FLASH_CUTE_BWD_CONFIG asks."""
+    monkeypatch.setenv(backward.CONFIG_ENV, env)
     monkeypatch.setenv(backward.NUM_SMS_ENV, "5")
     q, k, v = _qkv((2, 700, 2, d), (2, 900, 2, d))
     backward.bwd(q, q, k, v, q, torch.zeros(2, 2, 700), softmax_scale=0.1, causal=causal,
@@ -205,6 +203,9 @@ def test_backward_split_tail_launch(launched, monkeypatch, d, causal, determinis
     main = next(launch for launch in launched if launch.name == "FlashBwdSm90")
     tail_start, pieces, partial, tickets = main.args[-4:]
     split = not causal and not deterministic
+    assert main.split == (split or bool(env))
+    if not main.split:
+        return
     assert (tail_start, pieces) == ((30, 2) if split else (32, 1))
     assert partial.shape == (4 if split else 1, d, 256)
     assert tickets.shape == (2 if split else 1,)

@@ -16,9 +16,6 @@ coordinates:
   shorter. Forward: the last query blocks see the most key blocks (``reverse_blocks=True``).
   Backward: the first key blocks see the most query blocks (``reverse_blocks=False``). The long
   tiles start first and the short ones fill the tail (longest-processing-time first).
-- Short tiles last (``short_last_coords``, opt-in): a non-causal call whose last query block
-  is short numbers those blocks after every full tile, so the static walk's last rounds,
-  which only some CTAs reach, hold the short ones.
 - A longest-first order inside small sections would start the last section's long tiles
   late, when little work is left to balance them. So the sections from ``tail_section`` on
   are one wider section (causal: config.tail_section sizes it to a few tiles per CTA), and
@@ -103,23 +100,6 @@ def tile_coords(tile: Int32, num_blocks: Int32, nheads: Int32, num_hb: Int32, se
     if reverse_blocks:  # a Python bool
         block = num_blocks - 1 - block
     return block, head, batch
-
-
-def short_last_coords(tile: Int32, num_blocks: Int32, nheads: Int32, num_hb: Int32,
-                      uneven: Int32, coords):
-    """(block, head, batch) of ``tile`` with every (batch, head)'s short last block numbered
-    after all the full tiles (FwdSm90Config.short_last); ``uneven``: 1 when the last block is
-    short, 0 for the plain order. ``coords(tile, num_blocks)``: tile_coords over the full
-    blocks. Branch-free, as tile_coords."""
-    full_blocks = num_blocks - uneven
-    full = full_blocks * num_hb
-    short = 1 - cutlass.min(cutlass.max(full - tile, 0), 1)  # tile >= full
-    block, head, batch = coords(tile - short * tile, cutlass.max(full_blocks, 1))
-    hb = cutlass.max(tile - full, 0)
-    batch_s = hb // nheads
-    head_s = hb - batch_s * nheads
-    return (block + short * (num_blocks - 1 - block), head + short * (head_s - head),
-            batch + short * (batch_s - batch))
 
 
 def varlen_num_tiles(total_rows, num_batch, tile_rows: int, nheads):

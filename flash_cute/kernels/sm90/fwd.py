@@ -327,14 +327,9 @@ class FlashFwdSm90:
                              section=heads_per_section, reverse_blocks=longest_first)
         else:
             num_m_blocks, num_hb = cute.ceil_div(mQ.shape[0], self.tile_m), nheads * mQ.shape[3]
-            plain = partial(scheduler.tile_coords, nheads=nheads, num_hb=num_hb,
-                            section=heads_per_section, tail_section=tail_section,
-                            reverse_blocks=longest_first)
-            coords = partial(plain, num_blocks=num_m_blocks)
-            if const_expr(self.cfg.short_last):
-                coords = partial(scheduler.short_last_coords, num_blocks=num_m_blocks,
-                                 nheads=nheads, num_hb=num_hb, coords=plain,
-                                 uneven=cutlass.min(mQ.shape[0] % self.tile_m, 1))
+            coords = partial(scheduler.tile_coords, num_blocks=num_m_blocks, nheads=nheads,
+                             num_hb=num_hb, section=heads_per_section,
+                             tail_section=tail_section, reverse_blocks=longest_first)
         seqlen = partial(SeqlenInfo.create, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
                          mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
         n_block_max = lambda m_block, seq: block_info.n_block_max(  # noqa: E731
