@@ -20,7 +20,7 @@ block).
 
 Scheduling: tiles in common/scheduler.py order, one CTA per tile (tile = blockIdx.x) or
 persistent (``cfg.persistent``: every role walks the same tiles, ``each_tile``, so the
-per-tile protocol below repeats); docs/architecture.md has the details.
+per-tile protocol below repeats); bwd_tiles.py; docs/architecture.md has the details.
 
 Warp roles (3 warpgroups, 384 threads):
 
@@ -89,9 +89,8 @@ Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
 More (status, PDL, tile_m 128 / 80, varlen, registers, the staged dK / dV epilogue):
 docs/architecture.md, "The SM90 backward main kernel".
 """
-import dataclasses
 from functools import partial
-from typing import Optional, Union
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -106,11 +105,11 @@ from ..common import block_info, scheduler
 from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row_copy,
                              select_modes, store_packed, transpose_mn)
 from ..common.mask import apply_mask_key_major
-from ..common.seqlen import SeqlenInfo
 from . import bwd_cols, bwd_split, pdl
 from .bwd_dq import DqTile, dqt_panel_layout
+from .bwd_tiles import KeyTileWalk
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
-                        LoadOperands, PersistentTiles)
+                        LoadOperands)
 from .epilogue import TMA_BOX_COLS, store_acc_rows, store_own_rows, store_staged
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -124,7 +123,7 @@ STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV T
 AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself (to_16bit)
 
 
-class FlashBwdSm90(DqTile):
+class FlashBwdSm90(DqTile, KeyTileWalk):
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
     uniform_dq_desc = False  # see __init__
 
@@ -478,89 +477,6 @@ class FlashBwdSm90(DqTile):
                          if const_expr(self.cfg.split_tail) else None)
         else:
             pdl.wait_prior(self.cfg.pdl)  # so that bwd_post's wait covers bwd_pre (pdl.py)
-
-    def cta_tiles(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, section,
-                  tail_section, split=None):
-        """(this CTA's tiles, whether it runs): its one KeyTile, or the persistent walk; with
-        ``split`` (cfg.split_tail) a tail tile's piece: its part of the query blocks."""
-        tile_at = partial(self.key_tile, mQ=mQ, mK=mK, mCuSeqlensK=mCuSeqlensK)
-        coords, count = self.tile_order(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                                        section, tail_section)
-        if const_expr(self.persistent):
-            # Every role walks the same tiles (each_tile) and skips the same empty ones.
-            return PersistentTiles(tile_at, coords, count), True
-        # One tile per CTA, numbered like the persistent walk (L2 sections, longest first);
-        # one past the varlen tiles leaves before any pipeline wait or named barrier,
-        # uniformly over the CTA (the barriers were only initialised).
-        if const_expr(self.cfg.split_tail):
-            t, part, parts = bwd_split.piece_of(Int32(cute.arch.block_idx()[0]),
-                                                split.tail_start, split.pieces)
-            tile = tile_at(*coords(t))
-            m_begin, m_end = bwd_split.piece_range(tile.m_begin, tile.m_end, part, parts)
-            return dataclasses.replace(tile, m_begin=m_begin, m_end=m_end), tile.has_keys
-        tile = tile_at(*coords(cute.arch.block_idx()[0]))
-        return tile, tile.has_keys
-
-    def tile_order(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, section,
-                   tail_section):
-        """(tile number -> (n_block, head, batch[, lens]), tile count; varlen: a bound). Key blocks
-        ascending: the longest first (causal) and n after n-1 (deterministic)."""
-        nheads = mQ.shape[2]
-        if const_expr(self.varlen):
-            # The queries' offset and length come out of the same scan (key_tile's ``lens``).
-            return (partial(scheduler.varlen_tile_coords, mCuSeqlens=mCuSeqlensK,
-                            mSeqUsed=mSeqUsedK, tile_rows=self.tile_n, nheads=nheads,
-                            section=section, reverse_blocks=False, lens=True,
-                            mCuOther=mCuSeqlensQ, mUsedOther=mSeqUsedQ),
-                    scheduler.varlen_num_tiles(mK.shape[0], mCuSeqlensK.shape[0] - 1,
-                                               self.tile_n, nheads))
-        num_blocks, num_hb = cute.ceil_div(mK.shape[0], self.tile_n), nheads * mQ.shape[3]
-        return (partial(scheduler.tile_coords, num_blocks=num_blocks, nheads=nheads,
-                        num_hb=num_hb, section=section, tail_section=tail_section,
-                        reverse_blocks=False),
-                scheduler.num_tiles(num_blocks, num_hb))
-
-    @cute.jit
-    def key_tile(self, n_block: Int32, head: Int32, batch: Int32, lens=None,
-                 mQ: cute.Tensor = None, mK: cute.Tensor = None,
-                 mCuSeqlensK: Optional[cute.Tensor] = None) -> KeyTile:
-        """``lens`` (varlen): (offset_k, seqlen_k, offset_q, seqlen_q) of the tile's sequence
-        as the scan read them (all 0 past the last tile)."""
-        has_keys = True
-        if const_expr(self.varlen):  # past the last tile: no sequence (reads kept in bounds)
-            has_keys = batch < mCuSeqlensK.shape[0] - 1
-            batch = cutlass.min(batch, mCuSeqlensK.shape[0] - 2)
-            offset_k, seqlen_k, offset_q, seqlen_q = lens
-            seq = SeqlenInfo.from_lengths(batch, offset_q, seqlen_q, offset_k, seqlen_k,
-                                          pad_tile_m=self.tile_m)
-        else:
-            seq = SeqlenInfo.create(batch, mQ, mK, pad_tile_m=self.tile_m)
-        m_begin = Int32(0)
-        if const_expr(self.causal):
-            m_begin = block_info.m_block_min_causal(n_block, self.tile_m, self.tile_n,
-                                                    seq.seqlen_q, seq.seqlen_k)
-        m_end = cute.ceil_div(seq.seqlen_q, self.tile_m)
-        return KeyTile(n_block, head, batch, seq, m_begin, m_end, has_keys)
-
-    @cute.jit
-    def each_tile(self, tiles: Union[KeyTile, PersistentTiles], body, carry):
-        """``carry = body(tile, carry)`` over this CTA's tiles: its one KeyTile, or
-        (persistent) its scheduler.for_each_tile numbers that have keys. Every role walks the
-        same sequence, so pipeline states, named barriers and the dQ hand-off stay matched
-        across tiles."""
-        if const_expr(isinstance(tiles, KeyTile)):
-            carry = body(tiles, carry)
-        else:
-            carry = scheduler.for_each_tile(tiles.num_tiles(),
-                                            partial(self.visit_tile, tiles, body), carry)
-        return carry
-
-    @cute.jit
-    def visit_tile(self, tiles: PersistentTiles, body, t: Int32, carry):
-        tile = tiles.tile(t)
-        if tile.has_keys:
-            carry = body(tile, carry)
-        return carry
 
     @cute.jit
     def load(self, ops: LoadOperands, pipe_kv, pipe_q, pipe_do, tiles,
