@@ -202,7 +202,8 @@ def test_backward_split_tail_launch(launched, monkeypatch, d, causal, determinis
                  deterministic=deterministic, persistent=False)
     main = next(launch for launch in launched if launch.name == "FlashBwdSm90")
     tail_start, pieces, partial, tickets = main.args[-4:]
-    split = not causal and not deterministic
+    # d=128 at 700 queries: swizzled dQ rows, where the split is opt-in (split_tail_overrides)
+    split = not causal and not deterministic and (d != 128 or bool(env))
     assert main.split == (split or bool(env))
     if not main.split:
         return
