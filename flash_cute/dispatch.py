@@ -32,9 +32,9 @@ DEFAULT_ARCH = "sm_90a"
 _cache: dict = {}
 _cache_lock = threading.Lock()
 # Persistent forward. Unset or "auto": as config.persistent_fwd_walk says (past one wave:
-# static walk non-causal but at d=64, dynamic causal), one CTA per SM; "0": never; "1": the static walk
-# past one wave, causal too; "ctas=N": the static walk on every call with N CTAs (tests: long
-# tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with the dynamic
+# static walk non-causal but at d=64, dynamic causal), one CTA per SM; "0": never; "1": the
+# static walk past one wave, causal too; "ctas=N": the static walk on every call with N CTAs
+# (tests: long tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with the dynamic
 # tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls follow it when it is
 # set; unset they always walk (config.VARLEN_FWD_PERSISTENT_AUTO).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
