@@ -34,9 +34,9 @@ _cache_lock = threading.Lock()
 # Persistent forward. Unset or "auto": as config.persistent_fwd_walk says (past one wave:
 # static walk non-causal but at d=64, dynamic causal), one CTA per SM; "0": never; "1": the
 # static walk past one wave, causal too; "ctas=N": the static walk on every call with N CTAs
-# (tests: long tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N" with the dynamic
-# tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls follow it when it is
-# set; unset they always walk (config.VARLEN_FWD_PERSISTENT_AUTO).
+# (tests: long tile walks on small problems). "dyn" and "dyn:ctas=N": as "1" and "ctas=N"
+# with the dynamic tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls
+# follow it when it is set; unset they always walk (config.VARLEN_FWD_PERSISTENT_AUTO).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
 # Split tail of the static walk (FwdSm90Config.split_tail). "auto": where
 # config.split_tail_ctas finds it worth it; "0": never (A/B runs); "kernel": the split
