@@ -64,10 +64,12 @@ def parts(d, s, causal):
         ("fwd: flash_attn_func (no grad)", lambda: flash_attn_func(q, k, v, causal=causal)),
         ("fwd: flash_attn_func (grad)", lambda: flash_attn_func(ql, kl, vl, causal=causal)),
     ]
-    pre, main, post_dq, post = backward.get_bwd_kernels(
-        "sm_90a", "BFloat16", d, causal, False,
-        cfg_overrides=backward.batched_overrides(d, None, causal, s, False))
-    cfg = backward.bwd_config(d, backward.batched_overrides(d, None, causal, s, False), causal)
+    def overrides():  # as backward.bwd chooses them per call
+        return backward.split_tail_overrides(
+            d, backward.batched_overrides(d, None, causal, s, False), causal)
+    pre, main, post_dq, post = backward.get_bwd_kernels("sm_90a", "BFloat16", d, causal, False,
+                                                        cfg_overrides=overrides())
+    cfg = backward.bwd_config(d, overrides(), causal)
     sq_pad = -(-s // cfg.tile_m) * cfg.tile_m
     f32 = dict(dtype=torch.float32, device=dev)
 
@@ -78,6 +80,8 @@ def parts(d, s, causal):
             torch.empty((1, 1, 1), dtype=torch.int32, device=dev)
     (dq, dk, dv), (lse2, dpsum), dq_accum, sem = bwd_allocs()
     sched = backward._sched_args(False, dev, s, s, cfg.tile_n, d, b * h, causal)
+    split = (backward._split_args(dev, cfg, b * h, s, s, causal) if cfg.split_tail
+             else backward.NO_SPLIT)
     nv = backward.NO_VARLEN
     rows += [
         ("bwd: allocations (8 tensors)", bwd_allocs),
@@ -85,12 +89,12 @@ def parts(d, s, causal):
          lambda: ([backward._tma_ready(t.detach()) for t in (q, k, v, do, out)],
                   lse.detach().contiguous())),
         ("bwd: config + kernel lookup", lambda: backward.get_bwd_kernels(
-            "sm_90a", "BFloat16", d, causal, False, cfg_overrides=backward.batched_overrides(
-                d, None, causal, s, False))),
+            "sm_90a", "BFloat16", d, causal, False, cfg_overrides=overrides())),
         ("bwd: pre launch", lambda: pre(out, do, lse, lse2, dpsum, dq_accum,
                                         *backward.NO_VARLEN_Q)),
         ("bwd: main launch", lambda: main(q, k, v, do, lse2, dpsum, dq_accum, dk, dv, sem,
-                                          scale * math.log2(math.e), scale, *nv, *sched)),
+                                          scale * math.log2(math.e), scale, *nv, *sched,
+                                          *split)),
         ("bwd: post launch", lambda: post_dq(dq_accum.permute(0, 2, 1, 3)[:, :s], dq, scale,
                                              *backward.NO_VARLEN_Q)),
         ("bwd: backward.bwd", lambda: backward.bwd(do, q, k, v, out, lse, softmax_scale=scale,

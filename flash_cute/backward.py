@@ -459,13 +459,6 @@ BWD_TALT_CAUSAL_MIN_SEQLEN_Q = 16384
 # 537 / 513.
 BWD_SWIZZLE_DQ_MAX_SEQLEN_Q = 1024
 _TILE_FIELDS = frozenset(("tile_m", "dq_split", "swizzle_dq"))
-# The last wave's tiles split into pieces (BwdSm90Config.split_tail) in the one-tile-per-CTA
-# kernel of batched non-causal, non-deterministic calls (causal tiles are unequal and dealt
-# longest first; deterministic calls sum in a fixed order). H100, session 38 (bench/exp_bwd.py
-# --cells 128:16384:0,128:4096:0,64:16384:0,64:4096:0 default split_tail, TFLOP/s): d=128
-# 16k 609 / 614, 4k 554 / 556; d=64 16k 539 / 542, 4k 457 / 479.
-BWD_SPLIT_TAIL_HEAD_DIMS = (64, 96, 128)  # the narrow kernel's epilogue
-_SPLIT_TAIL_BLOCKERS = frozenset(("split_tail", "persistent", "timeline", "early_dv", "early_dk"))
 
 
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
@@ -493,18 +486,23 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
 
 def split_tail_overrides(d: int, overrides=None, causal: bool = False,
                          deterministic: bool = False, persistent: bool = False):
-    """``overrides`` (batched_overrides') with split_tail on where it ships
-    (BWD_SPLIT_TAIL_HEAD_DIMS), unless the caller or FLASH_CUTE_BWD_CONFIG sets a field it
-    cannot go with. A per-call choice: the same kernel for any lengths."""
-    chosen = set(overrides or {}) | set(env_overrides())
+    """``overrides`` (batched_overrides') with split_tail on for batched non-causal,
+    non-deterministic calls whose kernel takes it (BwdSm90Config.split_tail_fits: d <= 128),
+    unless the caller or FLASH_CUTE_BWD_CONFIG sets split_tail. Causal tiles are unequal and
+    dealt longest first; deterministic calls sum in a fixed order. A per-call choice: the same
+    kernel for any lengths. H100, session 38 (bench/exp_bwd.py --cells 128:16384:0,128:4096:0,
+    64:16384:0,64:4096:0 default split_tail, TFLOP/s): d=128 16k 609 / 614, 4k 554 / 556;
+    d=64 16k 539 / 542, 4k 457 / 479."""
+    if (causal or deterministic or persistent
+            or "split_tail" in {**env_overrides(), **(overrides or {})}):
+        return overrides
+    cfg = bwd_config(d, overrides)
     # d=128's short calls (swizzled dQ rows) keep the unsplit kernel until the split one has
     # run on a GPU there (tests/test_gpu.py::test_grads_split_tail at 700 queries; session 38
     # lost its device before it ran).
-    unchecked = d == 128 and (overrides or {}).get("swizzle_dq", False)
-    if (d in BWD_SPLIT_TAIL_HEAD_DIMS and not causal and not deterministic and not persistent
-            and not chosen & _SPLIT_TAIL_BLOCKERS and not unchecked):
-        return {**(overrides or {}), "split_tail": True}
-    return overrides
+    if not cfg.split_tail_fits or (d == 128 and cfg.swizzle_dq):
+        return overrides
+    return {**(overrides or {}), "split_tail": True}
 
 
 def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:

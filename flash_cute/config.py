@@ -752,10 +752,16 @@ class BwdSm90Config:
             raise ValueError("v_with_do: the narrow kernel (d 64/96/128) only")
         if self.timeline and (self.wide or self.persistent):
             raise ValueError("timeline: the narrow one-tile-per-CTA kernel only")
-        if self.split_tail and (self.wide or self.persistent or self.timeline or
-                                self.early_dv or self.early_dk):
+        if self.split_tail and not self.split_tail_fits:
             raise ValueError("split_tail: the narrow one-tile-per-CTA kernel's epilogue, no "
                              "timeline, early_dv or early_dk")
+
+    @property
+    def split_tail_fits(self) -> bool:
+        """Whether this kernel can take split_tail: its pieces hand over the narrow
+        one-tile-per-CTA kernel's dK / dV accumulators before the shared epilogue."""
+        return not (self.wide or self.persistent or self.timeline or self.early_dv
+                    or self.early_dk)
 
     @property
     def dq_cols_per_wg(self) -> int:
