@@ -58,7 +58,7 @@ import torch
 from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from varlen_overhead import VARLEN_FLAGS
 from flash_cute import backward, dispatch
-from flash_cute.config import BWD_LOCKSTEP_128
+from flash_cute.config import BWD_LOCKSTEP_128, BWD_TM80
 from flash_cute.reference import attention_ref, check_grads_close
 
 VARIANTS = {
@@ -75,9 +75,9 @@ VARIANTS = {
     "tm128": {"tile_m": 128, "dq_split": "m"},  # shipped at d=64 non-causal (batched)
     "tm64": {"tile_m": 64, "dq_split": "alt"},
     "tm64_sw": {"tile_m": 64, "dq_split": "alt", "swizzle_dq": True},  # with short calls' rows
-    "tm80": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t"},
-    "tm80_dq_last": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t", "dq_first": False},
-    "tm80_det": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t", "deterministic": True},
+    "tm80": BWD_TM80,
+    "tm80_dq_last": {**BWD_TM80, "dq_first": False},
+    "tm80_det": {**BWD_TM80, "deterministic": True},
     # tile_m 80 with "alt" turns (dq_split "talt": one warpgroup computes dQ^T in two chunks,
     # the other runs on, as the shipped d=128 stagger); with / without early LSE / D.
     "talt_lse": {"tile_m": 80, "dq_split": "talt"},
@@ -92,7 +92,7 @@ VARIANTS = {
     "udq": {"uniform_dq_desc": True},
     "early_lse_d": {"early_lse_d": True},
     "udq_lse": {"uniform_dq_desc": True, "early_lse_d": True},
-    "tm80_udq": {**BWD_LOCKSTEP_128, "tile_m": 80, "dq_split": "t", "uniform_dq_desc": True},
+    "tm80_udq": {**BWD_TM80, "uniform_dq_desc": True},
     "wide_old": {"stages": 1, "do_stages": 0, "dq_per_turn": False},
     "wide_early_do": {"stages": 1, "do_stages": 1, "dq_per_turn": False},
     "wide_turns": {"stages": 1, "do_stages": 0, "dq_per_turn": True},

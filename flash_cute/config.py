@@ -402,6 +402,8 @@ BWD_TILE_M128_HEAD_DIMS = (64,)
 # both in lockstep ("t", opt-in, non-causal only).
 BWD_TILE_M80 = 80
 BWD_TILE_M80_HEAD_DIMS = (128,)
+# The first 80-row tile (session 9; opt-in): one dQ^T per block on the lockstep turns.
+BWD_TM80 = {**BWD_LOCKSTEP_128, "tile_m": BWD_TILE_M80, "dq_split": "t"}
 
 
 # BwdSm90Config.timeline: the int32 slots of a tile, in order: five phase ends in the SM's
