@@ -497,9 +497,9 @@ def split_tail_overrides(d: int, overrides=None, causal: bool = False,
             or "split_tail" in {**env_overrides(), **(overrides or {})}):
         return overrides
     cfg = bwd_config(d, overrides)
-    # d=128's short calls (swizzled dQ rows) keep the unsplit kernel until the split one has
-    # run on a GPU there (tests/test_gpu.py::test_grads_split_tail at 700 queries; session 38
-    # lost its device before it ran).
+    # d=128's short calls (swizzled dQ rows, 64-row tiles) lose with it: 8-16 query blocks
+    # per tile make 3-5-block pieces that pay K / V and the hand-off again (H100, session 39:
+    # exp_bwd.py --cells 128:512:0,128:1000:0 no_split split_tail, 319 / 309, 426 / 420).
     if not cfg.split_tail_fits or (d == 128 and cfg.swizzle_dq):
         return overrides
     return {**(overrides or {}), "split_tail": True}

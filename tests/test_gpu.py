@@ -421,7 +421,7 @@ def test_grads_split_tail(d, hk, sq, causal, monkeypatch):
     """BwdSm90Config.split_tail (shipped: backward.split_tail_overrides) planned for 5 SMs:
     2 x 4 heads x 11 key blocks = 88 tiles, 3 left after 17 waves, each cut in 3 pieces whose
     dK / dV partials the last one adds up (d=128 1100: the 80-row talt tile; 700: swizzled dQ
-    rows, opt-in until it has run here). Against the oracle, twice (the tickets are left zero
+    rows: opt-in, slower there). Against the oracle, twice (the tickets are left zero
     for the next launch); causal calls run without a split."""
     shipped = backward.split_tail_overrides(d, backward.batched_overrides(d, None, False, sq))
     if not (shipped or {}).get("split_tail"):
