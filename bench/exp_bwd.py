@@ -154,7 +154,8 @@ VARIANTS = {
     # Session 37 (BwdSm90Config.split_tail, kernels/sm90/bwd_split.py): the last wave's tiles
     # cut along their query blocks into pieces that hand dK / dV over; non-causal only (the
     # causal kernel runs unsplit). Predicted +1.5-2% on the grid's non-causal cells. Shipped
-    # since session 38 (backward.split_tail_overrides): "default" has it, "no_split" not.
+    # since session 38 (backward.split_tail_overrides; session 39: from BWD_SPLIT_MIN_SEQLEN_Q
+    # queries): "default" has it there, "no_split" never.
     "split_tail": {"split_tail": True},
     "no_split": {"split_tail": False},
 }

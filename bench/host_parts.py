@@ -66,7 +66,7 @@ def parts(d, s, causal):
     ]
     def overrides():  # as backward.bwd chooses them per call
         return backward.split_tail_overrides(
-            d, backward.batched_overrides(d, None, causal, s, False), causal)
+            d, backward.batched_overrides(d, None, causal, s, False), causal, seqlen_q=s)
     pre, main, post_dq, post = backward.get_bwd_kernels("sm_90a", "BFloat16", d, causal, False,
                                                         cfg_overrides=overrides())
     cfg = backward.bwd_config(d, overrides(), causal)

@@ -87,6 +87,14 @@ NO_SPLIT = (None,) * 4
 # tail tiles (R = 68 of 2048 on 132 SMs: 3 pieces, 0.67). Each piece re-loads K / V and
 # hands over d fp32 per mma thread, hence few.
 BWD_SPLIT_PIECES = (2, 3, 4)
+# split_tail_overrides: per head dim, the fewest queries of a call that takes the split. A
+# piece loads K / V again and hands d fp32 per thread over; on short tiles that costs more
+# than the last wave leaves idle. H100, sessions 38-39 (bench/exp_bwd.py --cells ...
+# no_split split_tail; change in TFLOP/s, one per run): d=64 512 -0.7%, 1024 -0.5%, 1536
+# -3.7 / -2.7%, 2048 +0.6 / +0.2%, 3072 +2.5%, 4096 +4.8 / +3.2%, 16384 +0.6%; d=96 1024
+# -0.7%, 4096 -0.4%, 8192 +0.4%, 16384 +3.0 / +1.1%; d=128 512 -3.1%, 1000 -1.4%, 1024
+# -2.5%, 2048 -1.6%, 3072 -3.6 / -0.2%, 4096 +0.4 / -0.7%, 16384 +0.8 / +1.0%.
+BWD_SPLIT_MIN_SEQLEN_Q = {64: 2048, 96: 8192, 128: 16384}
 ENV_FLAG = "FLASH_CUTE_FUSED_BWD"
 PERSISTENT_ENV = "FLASH_CUTE_BWD_PERSISTENT"
 # Testing: a persistent grid of this many CTAs instead of the SM count, so that small check
@@ -485,22 +493,19 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
 
 
 def split_tail_overrides(d: int, overrides=None, causal: bool = False,
-                         deterministic: bool = False, persistent: bool = False):
+                         deterministic: bool = False, persistent: bool = False,
+                         seqlen_q: int = 0):
     """``overrides`` (batched_overrides') with split_tail on for batched non-causal,
-    non-deterministic calls whose kernel takes it (BwdSm90Config.split_tail_fits: d <= 128),
-    unless the caller or FLASH_CUTE_BWD_CONFIG sets split_tail. Causal tiles are unequal and
-    dealt longest first; deterministic calls sum in a fixed order. A per-call choice: the same
-    kernel for any lengths. H100, session 38 (bench/exp_bwd.py --cells 128:16384:0,128:4096:0,
-    64:16384:0,64:4096:0 default split_tail, TFLOP/s): d=128 16k 609 / 614, 4k 554 / 556;
-    d=64 16k 539 / 542, 4k 457 / 479."""
+    non-deterministic calls of at least BWD_SPLIT_MIN_SEQLEN_Q[d] queries (``seqlen_q`` 0: not
+    given, a long call) whose kernel takes it (BwdSm90Config.split_tail_fits), unless the
+    caller or FLASH_CUTE_BWD_CONFIG sets split_tail. Causal tiles are unequal and dealt
+    longest first; deterministic calls sum in a fixed order. A per-call choice between two
+    cached kernels: no length in a compile key."""
     if (causal or deterministic or persistent
+            or 0 < seqlen_q < BWD_SPLIT_MIN_SEQLEN_Q.get(d, float("inf"))
             or "split_tail" in {**env_overrides(), **(overrides or {})}):
         return overrides
-    cfg = bwd_config(d, overrides)
-    # d=128's short calls (swizzled dQ rows, 64-row tiles) lose with it: 8-16 query blocks
-    # per tile make 3-5-block pieces that pay K / V and the hand-off again (H100, session 39:
-    # exp_bwd.py --cells 128:512:0,128:1000:0 no_split split_tail, 319 / 309, 426 / 420).
-    if not cfg.split_tail_fits or (d == 128 and cfg.swizzle_dq):
+    if not bwd_config(d, overrides).split_tail_fits:
         return overrides
     return {**(overrides or {}), "split_tail": True}
 
@@ -664,7 +669,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     persistent = _resolve_persistent(persistent, d)
     cfg_overrides = split_tail_overrides(
         d, batched_overrides(d, cfg_overrides, bool(causal), sq, persistent), bool(causal),
-        bool(deterministic), persistent)
+        bool(deterministic), persistent, sq)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,

@@ -82,10 +82,12 @@ def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monke
 # dQ turns; the 64-row variants above are varlen's), long calls and short ones (swizzled dQ
 # rows), plus its persistent (opt-in, lockstep) loop.
 D64_SHORT = backward.BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
-# The GQA non-causal kernel with swizzled dQ rows spilled with ds_before_dv (1 STL, 3 LDL;
-# kept, as dV first was slower: H200 session 30, exp_bwd.py --gqa 4 --cells 64:512:0,64:1024:0,
-# 512 263 / 271, 1k 367 / 380 TFLOP/s); the split-tail kernel shipped there since session 38
-# compiles spill-free, the deterministic one too.
+# The GQA non-causal kernel with swizzled dQ rows spills with ds_before_dv: 1 STL before the
+# loop, 3 LDL (one per masked key block, one in the epilogue). Kept: dV first there is
+# spill-free but slower, H200 session 30 (bench/exp_bwd.py --gqa 4 --cells 64:512:0,64:1024:0
+# default ds_before_dv with dV first as default, TFLOP/s): 512 263 / 271, 1k 367 / 380. (Its
+# split-tail form, shipped there in session 38 only, compiled spill-free.)
+D64_GQA_SHORT_SPILLS = (1, 3)
 BATCHED_64 = [(*v, False, sq) for v in VARIANTS if v[1] == 64 for sq in (0, D64_SHORT)] + [
     ("BFloat16", 64, False, True, False, True, 0), ("BFloat16", 64, True, False, False, True, 0)]
 
@@ -98,29 +100,37 @@ def test_bwd_main_batched_d64_compiles(dtype, d, causal, gqa, deterministic, per
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
     ov = backward.split_tail_overrides(
         d, backward.batched_overrides(d, None, causal, seqlen_q, persistent), causal,
-        deterministic, persistent)
+        deterministic, persistent, seqlen_q)
     assert ov.get("stagger", False) == (not persistent)
-    assert ov.get("split_tail", False) == (not (causal or deterministic or persistent))
+    long_call = seqlen_q == 0  # D64_SHORT: below BWD_SPLIT_MIN_SEQLEN_Q
+    assert ov.get("split_tail", False) == (long_call and not (causal or deterministic
+                                                              or persistent))
     cubin = backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic,
                                persistent=persistent, **ov)
-    check_main_sass(sass_opcodes(cubin, tmp_path))
+    spilled = gqa and not causal and not deterministic and seqlen_q == D64_SHORT
+    check_main_sass(sass_opcodes(cubin, tmp_path), D64_GQA_SHORT_SPILLS if spilled else (0, 0))
 
 
 # The batched d=128 kernel of long calls as shipped (backward.BATCHED_TALT: 80-row tile, dQ^T
 # by one warpgroup in turn in d-major panels, staggered): both dtypes, causal or not, GQA,
-# deterministic.
-TALT_128 = [(dt, 128, c, g, det) for dt in ("BFloat16", "Float16") for c in (False, True)
-            for g in (False, True) for det in (False, True)]
+# deterministic; non-causal both below and from BWD_SPLIT_MIN_SEQLEN_Q (the split tail).
+TALT_LONG = max(backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q, backward.BWD_SPLIT_MIN_SEQLEN_Q[128])
+TALT_128 = [(dt, 128, c, g, det, sq) for dt in ("BFloat16", "Float16") for c in (False, True)
+            for g in (False, True) for det in (False, True)
+            for sq in ((TALT_LONG,) if c or det else (TALT_LONG, TALT_LONG // 4))]
 
 
-@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", TALT_128, ids=lambda v: str(v))
-def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, tmp_path,
-                                        monkeypatch):
+@pytest.mark.parametrize("dtype,d,causal,gqa,deterministic,seqlen_q", TALT_128,
+                         ids=lambda v: str(v))
+def test_bwd_main_batched_talt_compiles(dtype, d, causal, gqa, deterministic, seqlen_q,
+                                        tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    ov = backward.batched_overrides(d, None, causal, backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q)
+    ov = backward.batched_overrides(d, None, causal, seqlen_q)
     assert ov == backward.BATCHED_TALT
-    ov = backward.split_tail_overrides(d, ov, causal, deterministic)  # as shipped
+    ov = backward.split_tail_overrides(d, ov, causal, deterministic, seqlen_q=seqlen_q)
+    assert ov.get("split_tail", False) == (seqlen_q == TALT_LONG and not causal
+                                           and not deterministic)
     ops = sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, causal, gqa, deterministic, **ov),
                        tmp_path)
     check_main_sass(ops)
@@ -856,17 +866,18 @@ def test_bwd_split_tail_compiles(d, gqa, deterministic, tmp_path, monkeypatch):
     assert ops["HGMMA"] == plain["HGMMA"]
 
 
-# The shipped split kernels the batched tests above do not build (they cover d=64 and d=128's
-# long calls): d=96, both dtypes, GQA or not; d=128 with swizzled dQ rows (opt-in: not yet
-# run on a GPU, backward.split_tail_overrides), bf16.
+# The split kernels the batched tests above do not build (they cover d=64 and d=128's long
+# calls): d=96's shipped one, both dtypes, GQA or not; d=128 with swizzled dQ rows (opt-in:
+# slower there, backward.BWD_SPLIT_MIN_SEQLEN_Q), bf16.
 @pytest.mark.parametrize("dtype,d,gqa,seqlen_q", [
-    (dt, 96, g, 4096) for dt in ("BFloat16", "Float16") for g in (False, True)] + [
+    (dt, 96, g, 8192) for dt in ("BFloat16", "Float16") for g in (False, True)] + [
     ("BFloat16", 128, g, 700) for g in (False, True)], ids=str)
 def test_bwd_shipped_split_tail_compiles(dtype, d, gqa, seqlen_q, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    ov = backward.split_tail_overrides(d, backward.batched_overrides(d, None, False, seqlen_q))
-    assert ov.get("split_tail", False) == (d != 128)
+    ov = backward.split_tail_overrides(d, backward.batched_overrides(d, None, False, seqlen_q),
+                                       seqlen_q=seqlen_q)
+    assert ov.get("split_tail", False) == (seqlen_q >= backward.BWD_SPLIT_MIN_SEQLEN_Q[d])
     ov = {**ov, "split_tail": True}
     check_main_sass(sass_opcodes(backward.bwd_cubin(ARCH, dtype, d, False, gqa, **ov),
                                  tmp_path))

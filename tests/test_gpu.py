@@ -418,12 +418,14 @@ def test_grads_deterministic(d, causal, hk):
 @pytest.mark.parametrize("d,hk,sq", [(64, 4, 1100), (96, 2, 1100), (128, 4, 1100), (128, 1, 1100),
                                     (64, 2, 700), (128, 2, 700)])
 def test_grads_split_tail(d, hk, sq, causal, monkeypatch):
-    """BwdSm90Config.split_tail (shipped: backward.split_tail_overrides) planned for 5 SMs:
-    2 x 4 heads x 11 key blocks = 88 tiles, 3 left after 17 waves, each cut in 3 pieces whose
-    dK / dV partials the last one adds up (d=128 1100: the 80-row talt tile; 700: swizzled dQ
-    rows: opt-in, slower there). Against the oracle, twice (the tickets are left zero
-    for the next launch); causal calls run without a split."""
-    shipped = backward.split_tail_overrides(d, backward.batched_overrides(d, None, False, sq))
+    """BwdSm90Config.split_tail (shipped from backward.BWD_SPLIT_MIN_SEQLEN_Q queries, so
+    here through FLASH_CUTE_BWD_CONFIG) planned for 5 SMs: 2 x 4 heads x 11 key blocks = 88
+    tiles, 3 left after 17 waves, each cut in 3 pieces whose dK / dV partials the last one
+    adds up (d=128 1100: the 80-row talt tile; 700: swizzled dQ rows). Against the oracle,
+    twice (the tickets are left zero for the next launch); causal calls run without a
+    split."""
+    shipped = backward.split_tail_overrides(d, backward.batched_overrides(d, None, False, sq),
+                                            seqlen_q=sq)
     if not (shipped or {}).get("split_tail"):
         monkeypatch.setenv(backward.CONFIG_ENV, "split_tail=1")
     monkeypatch.setenv(backward.NUM_SMS_ENV, "5")

@@ -190,20 +190,23 @@ def test_every_plan_is_a_shipped_kernel(d, causal, num_hb, sq, sk, sms):
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,deterministic", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("env", ["", "split_tail=1"])
-def test_backward_split_tail_launch(launched, monkeypatch, d, causal, deterministic, env):
-    """BwdSm90Config.split_tail (shipped for non-causal, non-deterministic calls) on 5 SMs:
-    2 x 2 heads x ceil(900 / 128) = 32 key-block tiles, 2 left after 6 waves, cut in 2
-    pieces each (the fewest giving the shortest last wave); causal and deterministic calls
-    run the unsplit kernel, or the split one unsplit where FLASH_CUTE_BWD_CONFIG asks."""
+@pytest.mark.parametrize("long_call", [False, True], ids=["short", "long"])
+def test_backward_split_tail_launch(launched, monkeypatch, d, causal, deterministic, env,
+                                    long_call):
+    """BwdSm90Config.split_tail (shipped for non-causal, non-deterministic calls of at least
+    BWD_SPLIT_MIN_SEQLEN_Q[d] queries) on 5 SMs: 2 x 2 heads x ceil(900 / 128) = 32
+    key-block tiles, 2 left after 6 waves, cut in 2 pieces each (the fewest giving the
+    shortest last wave); causal and deterministic calls run the unsplit kernel, or the split
+    one unsplit where FLASH_CUTE_BWD_CONFIG asks; so do short calls unless it asks."""
     monkeypatch.setenv(backward.CONFIG_ENV, env)
     monkeypatch.setenv(backward.NUM_SMS_ENV, "5")
-    q, k, v = _qkv((2, 700, 2, d), (2, 900, 2, d))
-    backward.bwd(q, q, k, v, q, torch.zeros(2, 2, 700), softmax_scale=0.1, causal=causal,
+    sq = backward.BWD_SPLIT_MIN_SEQLEN_Q[d] if long_call else 700
+    q, k, v = _qkv((2, sq, 2, d), (2, 900, 2, d))
+    backward.bwd(q, q, k, v, q, torch.zeros(2, 2, sq), softmax_scale=0.1, causal=causal,
                  deterministic=deterministic, persistent=False)
     main = next(launch for launch in launched if launch.name == "FlashBwdSm90")
     tail_start, pieces, partial, tickets = main.args[-4:]
-    # d=128 at 700 queries: swizzled dQ rows, where the split is opt-in (split_tail_overrides)
-    split = not causal and not deterministic and (d != 128 or bool(env))
+    split = not causal and not deterministic and (long_call or bool(env))
     assert main.split == (split or bool(env))
     if not main.split:
         return
