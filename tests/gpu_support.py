@@ -28,6 +28,16 @@ BF16 = torch.bfloat16
 
 
 
+def gpu_module_marks():
+    """A GPU test module's pytestmark, called at its top: skips the module without CUDA (the
+    tests never touch it on a CPU machine); the gpu mark, except in the CPU self-check, which
+    conftest would otherwise skip."""
+    if not ON_CPU and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)",
+                    allow_module_level=True)
+    return [] if ON_CPU else [pytest.mark.gpu]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _cpu_standin():
     """Only in the CPU self-check: the oracle (rounded to the input dtype) plays the kernel."""

@@ -20,14 +20,10 @@ from flash_cute import backward, config, dispatch, flash_attn_func, flash_attn_v
 from flash_cute.reference import attention_ref, check_close, check_grads_close
 from gpu_support import (DEVICE, DTYPES, HEAD_DIMS, ON_CPU, _cpu_standin,  # noqa: F401 (autouse)
                          assert_compiled_equals_eager, check_grads, config_grads,
-                         oracle_grads, poison_allocator, qkv_inputs, rand, run_and_check,
-                         varlen_grads, varlen_inputs)
+                         gpu_module_marks, oracle_grads, poison_allocator, qkv_inputs, rand,
+                         run_and_check, varlen_grads, varlen_inputs)
 
-if not ON_CPU and not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
-
-# The self-check runs without the gpu mark, since conftest skips gpu tests on a CPU machine.
-pytestmark = [] if ON_CPU else [pytest.mark.gpu]
+pytestmark = gpu_module_marks()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,14 +14,10 @@ from flash_cute import backward, dispatch, flash_attn_func, flash_attn_varlen_fu
 from flash_cute.reference import attention_ref, check_close, check_grads_close
 from gpu_support import (BF16, DEVICE, DTYPES, HEAD_DIMS, ON_CPU,  # noqa: F401 (autouse)
                          _cpu_standin, assert_compiled_equals_eager, config_grads,
-                         cu_seqlens, oracle_grads, poison_allocator, qkv_inputs, rand,
-                         varlen_grads, varlen_inputs)
+                         cu_seqlens, gpu_module_marks, oracle_grads, poison_allocator,
+                         qkv_inputs, rand, varlen_grads, varlen_inputs)
 
-if not ON_CPU and not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
-
-# The self-check runs without the gpu mark, since conftest skips gpu tests on a CPU machine.
-pytestmark = [] if ON_CPU else [pytest.mark.gpu]
+pytestmark = gpu_module_marks()
 
 
 # ---------------------------------------------------------------------------------------------
