@@ -136,7 +136,8 @@ def main():
             ax.plot(c, label=attn, linewidth=1)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
-        ax.set_title(f"GPT {args.layers}x{args.dim}, {args.heads} heads, seqlen {args.seqlen}, bf16")
+        ax.set_title(f"GPT {args.layers}x{args.dim}, {args.heads} heads, "
+                     f"seqlen {args.seqlen}, bf16")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.out + ".png", dpi=120)

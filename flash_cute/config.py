@@ -605,11 +605,12 @@ class BwdSm90Config:
     # early_dkv_tma within -1% .. +2% of the default, the noise of those cells).
     early_tma: bool = False
     # One tile per CTA, batched, non-causal, not deterministic (backward.split_tail_overrides
-    # ships it there for long enough calls, sessions 38-39): the R tiles of the grid's last, partial wave are each cut
-    # along their query blocks into ``pieces`` CTAs (runtime arguments), so the wave's work
-    # spreads over all SMs. Each piece stores its fp32 dK / dV sums in a slot of its own,
-    # then takes a ticket on its tile (acq_rel atomic); the last to arrive adds the others'
-    # slots and runs the epilogue. No CTA waits on another, so any launch order finishes.
+    # ships it there for long enough calls, sessions 38-39): the R tiles of the grid's last,
+    # partial wave are each cut along their query blocks into ``pieces`` CTAs (runtime
+    # arguments), so the wave's work spreads over all SMs. Each piece stores its fp32 dK / dV
+    # sums in a slot of its own, then takes a ticket on its tile (acq_rel atomic); the last to
+    # arrive adds the others' slots and runs the epilogue. No CTA waits on another, so any
+    # launch order finishes.
     split_tail: bool = False
 
     @property
