@@ -15,9 +15,10 @@ Cases run through bench/case_runner.py: each under a watchdog; a hang or a lost 
 restarts the script from the next case.
 
 Rule: for each of dq, dk, dv, ``check_grads_close(grads, oracle_fp32_grads,
-same_dtype_grads)`` where the oracle is attention_ref(upcast=True) differentiated in fp32 and the baseline is the same math
-in the input dtype (attention_ref(upcast=False), autograd in bf16/fp16). Outputs are poisoned:
-recycled memory is filled with NaN before each call, so unwritten elements show up.
+same_dtype_grads)`` where the oracle is attention_ref(upcast=True) differentiated in fp32 and
+the baseline is the same math in the input dtype (attention_ref(upcast=False), autograd in
+bf16/fp16). Outputs are poisoned: recycled memory is filled with NaN before each call, so
+unwritten elements show up.
 """
 import argparse
 import math
