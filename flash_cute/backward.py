@@ -503,9 +503,8 @@ def split_tail_overrides(d: int, overrides=None, causal: bool = False,
     cached kernels: no length in a compile key."""
     if (causal or deterministic or persistent
             or 0 < seqlen_q < BWD_SPLIT_MIN_SEQLEN_Q.get(d, float("inf"))
-            or "split_tail" in {**env_overrides(), **(overrides or {})}):
-        return overrides
-    if not bwd_config(d, overrides).split_tail_fits:
+            or "split_tail" in {**env_overrides(), **(overrides or {})}
+            or not bwd_config(d, overrides).split_tail_fits):
         return overrides
     return {**(overrides or {}), "split_tail": True}
 
