@@ -158,11 +158,16 @@ VARIANTS = {
     # queries): "default" has it there, "no_split" never.
     "split_tail": {"split_tail": True},
     "no_split": {"split_tail": False},
+    # Session 40: a warpgroup whose keys no row of a masked block sees skips that block's
+    # GEMMs (BwdSm90Config.skip_masked_wg): causal tiles of 64-row query blocks.
+    "skip_wg": {"skip_masked_wg": True},
+    "no_skip_wg": {"skip_masked_wg": False},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
 VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80", "talt_lse", "dq_overlap",
-                  "swizzle_dq", "swizzle_dq_det", "ds_before_dv", "early_dv", "early_dkv")
+                  "swizzle_dq", "swizzle_dq_det", "ds_before_dv", "early_dv", "early_dkv",
+                  "skip_wg")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

@@ -612,6 +612,13 @@ class BwdSm90Config:
     # arrive adds the others' slots and runs the epilogue. No CTA waits on another, so any
     # launch order finishes.
     split_tail: bool = False
+    # A warpgroup whose 64 keys no row of a masked query block sees (above the causal
+    # diagonal, or past seqlen_k) skips that block's S^T, dP^T, exp2, dV and dK and stores
+    # zeros as its dS^T rows for the dQ wgmma. With 64-row query blocks and 128-key tiles this
+    # is the second warpgroup in the first block of every causal tile: 1 of 16 warpgroup-blocks
+    # at d=128 s=1k, where tiles average 9 query blocks. Narrow kernel; the persistent one
+    # ignores it (ptxas serialized its wgmma with the branch, C7512).
+    skip_masked_wg: bool = False
 
     @property
     def dq_panels(self) -> bool:
@@ -687,9 +694,9 @@ class BwdSm90Config:
         # v_with_do: +0.3-0.8% in all 7 cells timed (d=64 / 96 / 128, 1k / 4k, session 14).
         if d == 128:
             return BwdSm90Config(head_dim=d, dq_split="alt", stagger=True, early_lse_d=True,
-                                 v_with_do=True, ds_before_dv=True)
+                                 v_with_do=True, ds_before_dv=True, skip_masked_wg=True)
         return BwdSm90Config(head_dim=d, dq_chunk=64 if d % 64 == 0 else d, dq_split="alt",
-                             v_with_do=True, ds_before_dv=True)
+                             v_with_do=True, ds_before_dv=True, skip_masked_wg=True)
 
     def __post_init__(self):
         if self.dq_overlap and not (self.dq_turns and not self.wide):
@@ -755,6 +762,8 @@ class BwdSm90Config:
             raise ValueError("v_with_do: the narrow kernel (d 64/96/128) only")
         if self.timeline and (self.wide or self.persistent):
             raise ValueError("timeline: the narrow one-tile-per-CTA kernel only")
+        if self.skip_masked_wg and self.wide:
+            raise ValueError("skip_masked_wg: the narrow kernel (d 64/96/128) only")
         if self.split_tail and not self.split_tail_fits:
             raise ValueError("split_tail: the narrow one-tile-per-CTA kernel's epilogue, no "
                              "timeline, early_dv or early_dk")

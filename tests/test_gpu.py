@@ -434,7 +434,8 @@ def test_grads_split_tail(d, hk, sq, causal, monkeypatch):
 
 @pytest.mark.skipif(ON_CPU, reason="compares two kernel configs")
 @pytest.mark.parametrize("spec", ["lean_prologue=0", "v_with_do=0", "p16_view=0",
-                                  "swizzle_dq=0", "early_dv=1", "early_dv=1,early_dk=1"])
+                                  "swizzle_dq=0", "early_dv=1", "early_dv=1,early_dk=1",
+                                  "skip_masked_wg=0"])
 @pytest.mark.parametrize("d,causal,hk,varlen", [(64, False, 4, False), (128, True, 2, False),
                                                 (128, False, 4, False), (96, False, 1, True),
                                                 (128, True, 4, True), (256, True, 2, False)])

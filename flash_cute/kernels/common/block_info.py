@@ -42,3 +42,12 @@ def m_block_mask_end(n_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
         end = cutlass.max(full_row + tile_m - 1, 0) // tile_m
     ragged = cutlass.min(cutlass.max((n_block + 1) * tile_n - seqlen_k, 0), 1)  # 0 or 1
     return cutlass.min(cutlass.max(end, ragged * num_m_blocks), num_m_blocks)
+
+
+def key_end_visible(m_block: Int32, tile_m: int, seqlen_q: Int32, seqlen_k: Int32,
+                    causal: bool) -> Int32:
+    """One past the last key that some row of query block ``m_block`` sees: keys at or past it
+    are masked for the whole block (its last row's diagonal, or seqlen_k)."""
+    if causal:
+        return cutlass.min(seqlen_k, (m_block + 1) * tile_m + seqlen_k - seqlen_q)
+    return seqlen_k

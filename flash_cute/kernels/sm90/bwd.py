@@ -816,12 +816,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         cfg.early_lse_d: returns this thread's LSE_log2 columns in registers, read from
         ``sLSE`` while the GEMMs run (else None)."""
         s, s_do = st_q.index, st_do.index
-        if const_expr(self.varlen):
-            if m_block == q_tail:  # the sequence ends inside this block
-                pipe_q.consumer_wait(st_q)  # the waits below then pass at once
-                pipe_do.consumer_wait(st_do)
-                self.zero_tail_rows((sQ[None, None, s], sdO[None, None, s_do]), q_tail_rows,
-                                    cute.arch.thread_idx()[0] - WG_THREADS)
+        self.zero_q_tail(m_block, st_q, st_do, sQ, sdO, pipe_q, pipe_do, q_tail, q_tail_rows)
         pipe_q.consumer_wait(st_q)
         gemm(mma_sdp, tSrS, tSrK, tSrQ[None, None, None, s], zero_init=True, wait_group=-1)
         lse = None
@@ -837,6 +832,18 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         else:
             warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
         return lse
+
+    @cute.jit
+    def zero_q_tail(self, m_block: Int32, st_q, st_do, sQ: cute.Tensor, sdO: cute.Tensor,
+                    pipe_q, pipe_do, q_tail: Int32, q_tail_rows: Int32):
+        """Varlen: in the block where the sequence ends, its Q / dO rows past the end zeroed
+        (both mma warpgroups take part: zero_tail_rows' barrier)."""
+        if const_expr(self.varlen):
+            if m_block == q_tail:  # the sequence ends inside this block
+                pipe_q.consumer_wait(st_q)  # the caller's waits then pass at once
+                pipe_do.consumer_wait(st_do)
+                self.zero_tail_rows((sQ[None, None, st_q.index], sdO[None, None, st_do.index]),
+                                    q_tail_rows, cute.arch.thread_idx()[0] - WG_THREADS)
 
     def to_16bit(self, dst: cute.Tensor, src: cute.Tensor):
         """dst (16-bit fragment) = src (fp32). Query tiles of 80 / 128 columns convert in
@@ -864,12 +871,76 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
          tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS, rP) = frags
         s = st.index
-        if const_expr(self.remat_tid):  # this thread's S^T coordinates (mask, LSE/D columns)
-            tScS = mma_sdp.get_slice(opaque_thread_idx() - WG_THREADS).partition_C(
-                cute.make_identity_tensor((self.tile_n, self.tile_m)))
         # The CTA's running query-block count: sdS buffers and "alt" dQ turns alternate
         # strictly, also across a tile boundary (m_block may restart at an equal parity).
         step = st.count if const_expr(self.persistent) else m_block
+        block = (m_block, st, masked, mma_sdp, mma_dkv, frags, sQ, sdO, sLSE, sD, pipe_q,
+                 pipe_do, scale_log2, n_block, seqlen_q, seqlen_k, q_tail, q_tail_rows)
+        if const_expr(masked and self.cfg.skip_masked_wg and not self.persistent):
+            if n_block * self.tile_n + wg * KEYS_PER_WG >= block_info.key_end_visible(
+                    m_block, self.tile_m, seqlen_q, seqlen_k, self.causal):
+                # P^T = dS^T = 0 for all of this warpgroup's keys: only its zero dS^T rows
+                # (the dQ wgmma reads them) and the stage's waits remain.
+                self.zero_q_tail(m_block, st, st, sQ, sdO, pipe_q, pipe_do, q_tail, q_tail_rows)
+                pipe_q.consumer_wait(st)
+                pipe_do.consumer_wait(st)
+                rdS.fill(0.0)
+                if const_expr(not self.cfg.p16_view):
+                    tdKrdS.fill(0.0)
+            else:
+                self.dkv_block(*block)
+        else:
+            self.dkv_block(*block)
+
+        # dS^T rows -> sdS buffer step % 2, then both warpgroups meet (the dQ wgmma reads all of
+        # sdS); the buffer was last read by step-2's dQ, waited on before step-1's barrier.
+        buf = step % 2
+        if const_expr(self.remat_tid):  # frags hold the tiled copy and sdS
+            thr_store_dS = thr_store_dS.get_slice(opaque_thread_idx() - WG_THREADS)
+            tdSsdS = thr_store_dS.partition_D(tdSsdS)
+        cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS[None, None, None, buf])
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
+        if const_expr(self.cfg.stagger):
+            self.staggered_dq(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK, tdQsdQ, wg,
+                              step)
+        else:
+            cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
+                              number_of_threads=NUM_MMA_WG * WG_THREADS)
+            if const_expr(self.cfg.dq_first):
+                self.dq_then_dk(tdKrdK, tdKrdS, tdKrQ[None, None, None, s], mma_dkv, mma_dq,
+                                tdQrdQ, tdQrdS[None, None, None, buf], tdQrK, tdQsdQ, wg, step)
+            else:
+                gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
+                     wait_group=-1)
+
+                # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
+                cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
+                if wg == step % NUM_MMA_WG or const_expr(not self.cfg.dq_turns):
+                    self.dq_to_smem(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK,
+                                    tdQsdQ)
+                else:
+                    warpgroup.wait_group(0)  # dK done on both paths (else ptxas serializes, C7514)
+                cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
+                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL),
+                                         number_of_threads=DQ_THREADS)
+        pipe_q.consumer_release(st)
+        pipe_do.consumer_release(st)
+        st.advance()
+        return st
+
+    @cute.jit
+    def dkv_block(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
+                  frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
+                  pipe_q, pipe_do, scale_log2: Float32, n_block: Int32, seqlen_q: Int32,
+                  seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
+        """m_step's part per warpgroup: S^T, dP^T, P^T, dV and dS^T (into ``rdS``); with
+        cfg.stagger also dK's issue."""
+        (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
+         tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS, rP) = frags
+        s = st.index
+        if const_expr(self.remat_tid):  # this thread's S^T coordinates (mask, LSE/D columns)
+            tScS = mma_sdp.get_slice(opaque_thread_idx() - WG_THREADS).partition_C(
+                cute.make_identity_tensor((self.tile_n, self.tile_m)))
         lse = self.issue_s_dp(m_block, st, st, masked, mma_sdp, tSrS, tdPrdP, tSrK, tSrQ, tdPrV,
                               tdPrdO, tScS, t0ScS, sQ, sdO, pipe_q, pipe_do, n_block, seqlen_q,
                               seqlen_k, q_tail, q_tail_rows, sLSE)
@@ -910,45 +981,9 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                  wait_group=-1)
         if const_expr(not self.cfg.p16_view):
             tdKrdS.store(acc_as_operand_a(rdS).load())
-
-        # dS^T rows -> sdS buffer step % 2, then both warpgroups meet (the dQ wgmma reads all of
-        # sdS); the buffer was last read by step-2's dQ, waited on before step-1's barrier.
-        buf = step % 2
-        if const_expr(self.remat_tid):  # frags hold the tiled copy and sdS
-            thr_store_dS = thr_store_dS.get_slice(opaque_thread_idx() - WG_THREADS)
-            tdSsdS = thr_store_dS.partition_D(tdSsdS)
         if const_expr(self.cfg.stagger):  # dK reads this warpgroup's dS^T registers only
             gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
                  wait_group=-1)
-        cute.copy(thr_store_dS, thr_store_dS.retile(rdS), tdSsdS[None, None, None, buf])
-        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
-        if const_expr(self.cfg.stagger):
-            self.staggered_dq(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK, tdQsdQ, wg,
-                              step)
-        else:
-            cute.arch.barrier(barrier_id=int(Barrier.DS_READY),
-                              number_of_threads=NUM_MMA_WG * WG_THREADS)
-            if const_expr(self.cfg.dq_first):
-                self.dq_then_dk(tdKrdK, tdKrdS, tdKrQ[None, None, None, s], mma_dkv, mma_dq,
-                                tdQrdQ, tdQrdS[None, None, None, buf], tdQrK, tdQsdQ, wg, step)
-            else:
-                gemm(mma_dkv, tdKrdK, tdKrdS, tdKrQ[None, None, None, s], zero_init=False,
-                     wait_group=-1)
-
-                # sdQ is free once the dQ warp's bulk reduce of the previous block has read it.
-                cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=DQ_THREADS)
-                if wg == step % NUM_MMA_WG or const_expr(not self.cfg.dq_turns):
-                    self.dq_to_smem(mma_dq, tdQrdQ, tdQrdS[None, None, None, buf], tdQrK,
-                                    tdQsdQ)
-                else:
-                    warpgroup.wait_group(0)  # dK done on both paths (else ptxas serializes, C7514)
-                cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk reads
-                cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL),
-                                         number_of_threads=DQ_THREADS)
-        pipe_q.consumer_release(st)
-        pipe_do.consumer_release(st)
-        st.advance()
-        return st
 
     @cute.jit
     def epilogue(self, mma_dkv: cute.TiledMma, tdKrdK: cute.Tensor, tdVrdV: cute.Tensor,
