@@ -236,7 +236,7 @@ SPLIT_TAIL_MIN_BLOCKS = 4
 # for R tiles left after W whole rounds of P CTAs, at least split_tail_min_idle(d, nblk).
 # Split / plain, bench/exp_split.py with the modes in alternating order, medians (sessions 36,
 # 37; cells d:seqlen:heads at 16k tokens, idle share in brackets):
-# - d=192 / 256 gain at every fill: H100 256:16384 (3.0%) +2.7% / +3.5%, 192:16384 +4.1%,
+# - d=192 / 256 with long tiles gain at every fill: H100 256:16384 (3.0%) +2.7% / +3.5%, 192:16384 +4.1%,
 #   256:15360:8 (9.1%) +10.3%, 256:15360:12 and 192:15360:12 (0.8%) +0.9% / +0.5%.
 # - d=128 with a nearly empty last round: 128:15360:10 (9.1%) +3.7% H100 / +5.5% H200,
 #   128:15360:9 / 8 (9.1%) +4.5% / +3.4% H200. At 3.0% it gains with long tiles only (a
@@ -248,16 +248,21 @@ SPLIT_TAIL_MIN_BLOCKS = 4
 #   H200), but 96:16384 (3.0%, long tiles) -0.7% in its one run: the 5% bound only.
 # - d=64 (192-row tiles) never: 64:15360:20 (6.8%) +1%, 64:4096 flat (its tail tiles are 64
 #   rows, already short).
-# Per head dim: (bound for tiles shorter than SPLIT_TAIL_LONG_BLOCKS key blocks, for longer).
-SPLIT_TAIL_MIN_IDLE = {96: (0.05, 0.05), 128: (0.05, 0.025), 192: (0.0, 0.0), 256: (0.0, 0.0)}
-SPLIT_TAIL_LONG_BLOCKS = 64
+# - d=192 / 256 with short tiles lose at 3.0% (session 40, H100, exp_split.py --modes auto,0,
+#   7 rounds, every round the same sign): 256:1024 (13 blocks) -3.6% / -3.8%, 256:2048 (26)
+#   -2.2%, 192:1024 (10) -1.4%; from about 32 blocks they gain: 192:4096 (37) +1.7%, 256:4096
+#   (52) +0.5%, 256:8192 (103) +2.3%.
+# Per head dim: (bound for tiles shorter than SPLIT_TAIL_LONG_BLOCKS[d] key blocks, for longer).
+SPLIT_TAIL_MIN_IDLE = {96: (0.05, 0.05), 128: (0.05, 0.025), 192: (0.05, 0.0),
+                       256: (0.05, 0.0)}
+SPLIT_TAIL_LONG_BLOCKS = {96: 64, 128: 64, 192: 32, 256: 32}
 
 
 def split_tail_min_idle(d: int, nblk: int):
     """The idle share of the call below which auto keeps the last round whole (None: never
     split at this head dim); ``nblk``: key blocks per tile."""
     bounds = SPLIT_TAIL_MIN_IDLE.get(d)
-    return None if bounds is None else bounds[nblk >= SPLIT_TAIL_LONG_BLOCKS]
+    return None if bounds is None else bounds[nblk >= SPLIT_TAIL_LONG_BLOCKS[d]]
 
 
 def split_tail_ctas(num_tiles: int, ctas: int, nblk: int, min_idle: float = 0.0) -> int:
@@ -616,9 +621,16 @@ class BwdSm90Config:
     # diagonal, or past seqlen_k) skips that block's S^T, dP^T, exp2, dV and dK and stores
     # zeros as its dS^T rows for the dQ wgmma. With 64-row query blocks and 128-key tiles this
     # is the second warpgroup in the first block of every causal tile: 1 of 16 warpgroup-blocks
-    # at d=128 s=1k, where tiles average 9 query blocks. Narrow kernel; the persistent one
-    # ignores it (ptxas serialized its wgmma with the branch, C7512).
+    # at d=128 s=1k, where tiles average 9 query blocks. Narrow kernel, 64-row query blocks,
+    # one tile per CTA only (``skips_masked_wg``): the 80- / 128-row tiles would skip only in
+    # ragged or unequal-length tiles (not timed), and there ptxas spilled a word (128 rows) or
+    # serialized the wgmma (80 rows with dq_overlap; the persistent kernel: C7512).
     skip_masked_wg: bool = False
+
+    @property
+    def skips_masked_wg(self) -> bool:
+        """Whether the kernel takes skip_masked_wg (the field's comment says where it does)."""
+        return self.skip_masked_wg and self.tile_m == 64 and not self.persistent
 
     @property
     def dq_panels(self) -> bool:

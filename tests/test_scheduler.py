@@ -370,6 +370,8 @@ def test_split_tail_idle_threshold():
     assert split_tail_ctas(2048, 132, 32, short) == 0    # 3.0%, 32-block tiles (d=128 4k)
     assert split_tail_ctas(1440, 132, 120, long) == 0    # 120 left after 10: 0.8%
     assert split_tail_ctas(1440, 132, 120, split_tail_min_idle(256, 120)) == 132  # any fill
+    assert split_tail_ctas(1024, 132, 13, split_tail_min_idle(256, 13)) == 0  # d=256 1k: 3.0%
+    assert split_tail_ctas(1024, 132, 52, split_tail_min_idle(256, 52)) == 132  # d=256 4k
     idle = (132 - 68) / (132 * 16)
     assert split_tail_ctas(2048, 132, 128, idle) == 132  # the bound itself is enough
     assert split_tail_ctas(2048, 132, 128, idle + 1e-6) == 0

@@ -876,7 +876,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         step = st.count if const_expr(self.persistent) else m_block
         block = (m_block, st, masked, mma_sdp, mma_dkv, frags, sQ, sdO, sLSE, sD, pipe_q,
                  pipe_do, scale_log2, n_block, seqlen_q, seqlen_k, q_tail, q_tail_rows)
-        if const_expr(masked and self.cfg.skip_masked_wg and not self.persistent):
+        if const_expr(masked and self.cfg.skips_masked_wg):
             if n_block * self.tile_n + wg * KEYS_PER_WG >= block_info.key_end_visible(
                     m_block, self.tile_m, seqlen_q, seqlen_k, self.causal):
                 # P^T = dS^T = 0 for all of this warpgroup's keys: only its zero dS^T rows
