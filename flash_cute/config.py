@@ -236,8 +236,9 @@ SPLIT_TAIL_MIN_BLOCKS = 4
 # for R tiles left after W whole rounds of P CTAs, at least split_tail_min_idle(d, nblk).
 # Split / plain, bench/exp_split.py with the modes in alternating order, medians (sessions 36,
 # 37; cells d:seqlen:heads at 16k tokens, idle share in brackets):
-# - d=192 / 256 with long tiles gain at every fill: H100 256:16384 (3.0%) +2.7% / +3.5%, 192:16384 +4.1%,
-#   256:15360:8 (9.1%) +10.3%, 256:15360:12 and 192:15360:12 (0.8%) +0.9% / +0.5%.
+# - d=192 / 256 with long tiles gain at every fill: H100 256:16384 (3.0%) +2.7% / +3.5%,
+#   192:16384 +4.1%, 256:15360:8 (9.1%) +10.3%, 256:15360:12 and 192:15360:12 (0.8%)
+#   +0.9% / +0.5%.
 # - d=128 with a nearly empty last round: 128:15360:10 (9.1%) +3.7% H100 / +5.5% H200,
 #   128:15360:9 / 8 (9.1%) +4.5% / +3.4% H200. At 3.0% it gains with long tiles only (a
 #   piece's fixed cost, Q and the first K block, amortized over its blocks): 16k (128 blocks)

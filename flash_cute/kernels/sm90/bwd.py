@@ -75,7 +75,9 @@ Per query block, one warpgroup (wgmma groups in issue order, waits in brackets):
     ... release the Q / dO stage.
 
 dP^T runs under the exp2 of P^T and dV under dS; masked blocks wait for dP^T before masking
-(no mask registers over in-flight accumulators). dq_first and stagger: docs/architecture.md.
+(no mask registers over in-flight accumulators). cfg.skip_masked_wg: on a masked block, a
+warpgroup whose keys no row sees only waits for the stage and stores zero dS^T rows (m_step).
+dq_first and stagger: docs/architecture.md.
 
 Shared memory (2-byte elements; tile_m = 64, tile_n = 128, 2 stages):
     sK, sV   tile_n*d each          sQ, sdO   stages*tile_m*d each
@@ -102,7 +104,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ...config import BWD_TIMELINE, BwdSm90Config
 from ..common import block_info, scheduler
-from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row_copy,
+from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx,
                              select_modes, store_packed, transpose_mn)
 from ..common.mask import apply_mask_key_major
 from . import bwd_cols, bwd_split, pdl
@@ -779,31 +781,6 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                     flat[cute.arch.block_idx()[0] * len(BWD_TIMELINE) + slots[i]] = stamps[i]
 
     @cute.jit
-    def zero_tail_rows(self, tiles, rows: Int32, tidx: Int32):
-        """Varlen: zero the rows at and past ``rows`` of shared (R, d) tiles, then make that
-        visible to both mma warpgroups' wgmma.
-
-        TMA boxes at a sequence's end hold the next sequence's rows (or, past seqused, e.g. an
-        uninitialised cache). Their scores are masked (keys) or their P is exactly 0 (queries:
-        LSE_log2 = +inf), but the operands still meet other products: 0 * NaN in dV += P^T dO,
-        dK += dS^T Q, dQ += dS K, and dP = V dO^T turns NaN rows into NaN dS.
-        """
-        for t in tiles:
-            rows_t = cute.size(t, mode=[0])
-            copy, threads = row_copy(self.dtype, rows_t, self.d, NUM_MMA_WG * WG_THREADS)
-            if tidx < threads:
-                thr = copy.get_slice(tidx)
-                tTsT = thr.partition_D(t)
-                tTcT = thr.partition_D(cute.make_identity_tensor((rows_t, self.d)))
-                zero = cute.make_rmem_tensor_like(tTsT)
-                zero.fill(0.0)
-                for m in cutlass.range_constexpr(cute.size(tTsT, mode=[1])):
-                    if tTcT[0, m, 0][0] >= rows:
-                        cute.copy(copy, zero[None, m, None], tTsT[None, m, None])
-        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
-        cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=NUM_MMA_WG * WG_THREADS)
-
-    @cute.jit
     def issue_s_dp(self, m_block: Int32, st_q, st_do, masked: cutlass.Constexpr[bool], mma_sdp,
                    tSrS: cute.Tensor, tdPrdP: cute.Tensor, tSrK: cute.Tensor, tSrQ: cute.Tensor,
                    tdPrV: cute.Tensor, tdPrdO: cute.Tensor, tScS: cute.Tensor,
@@ -832,18 +809,6 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         else:
             warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
         return lse
-
-    @cute.jit
-    def zero_q_tail(self, m_block: Int32, st_q, st_do, sQ: cute.Tensor, sdO: cute.Tensor,
-                    pipe_q, pipe_do, q_tail: Int32, q_tail_rows: Int32):
-        """Varlen: in the block where the sequence ends, its Q / dO rows past the end zeroed
-        (both mma warpgroups take part: zero_tail_rows' barrier)."""
-        if const_expr(self.varlen):
-            if m_block == q_tail:  # the sequence ends inside this block
-                pipe_q.consumer_wait(st_q)  # the caller's waits then pass at once
-                pipe_do.consumer_wait(st_do)
-                self.zero_tail_rows((sQ[None, None, st_q.index], sdO[None, None, st_do.index]),
-                                    q_tail_rows, cute.arch.thread_idx()[0] - WG_THREADS)
 
     def to_16bit(self, dst: cute.Tensor, src: cute.Tensor):
         """dst (16-bit fragment) = src (fp32). Query tiles of 80 / 128 columns convert in

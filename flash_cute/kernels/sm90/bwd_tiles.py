@@ -1,4 +1,5 @@
-"""Which key tiles a backward CTA works on (the KeyTileWalk mixin of FlashBwdSm90).
+"""Which key tiles a backward CTA works on (the KeyTileWalk mixin of FlashBwdSm90), and the
+varlen zeroing of shared rows past a sequence's end in them.
 
 One tile per CTA: tile ``blockIdx.x`` of the L2-sectioned order (common/scheduler.py), or,
 with cfg.split_tail, a piece of a last-wave tile (bwd_split.py). Persistent: the CTA's
@@ -16,13 +17,14 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from ..common import block_info, scheduler
+from ..common.layout import row_copy
 from ..common.seqlen import SeqlenInfo
 from . import bwd_split
-from .bwd_types import KeyTile, PersistentTiles
+from .bwd_types import NUM_MMA_WG, WG_THREADS, Barrier, KeyTile, PersistentTiles
 
 
 class KeyTileWalk:
-    """Needs the kernel's cfg, persistent, varlen, causal, tile_m and tile_n."""
+    """Needs the kernel's cfg, persistent, varlen, causal, dtype, d, tile_m and tile_n."""
 
     def cta_tiles(self, mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, section,
                   tail_section, split=None):
@@ -106,3 +108,40 @@ class KeyTileWalk:
         if tile.has_keys:
             carry = body(tile, carry)
         return carry
+
+    @cute.jit
+    def zero_tail_rows(self, tiles, rows: Int32, tidx: Int32):
+        """Varlen: zero the rows at and past ``rows`` of shared (R, d) tiles, then make that
+        visible to both mma warpgroups' wgmma.
+
+        TMA boxes at a sequence's end hold the next sequence's rows (or, past seqused, e.g. an
+        uninitialised cache). Their scores are masked (keys) or their P is exactly 0 (queries:
+        LSE_log2 = +inf), but the operands still meet other products: 0 * NaN in dV += P^T dO,
+        dK += dS^T Q, dQ += dS K, and dP = V dO^T turns NaN rows into NaN dS.
+        """
+        for t in tiles:
+            rows_t = cute.size(t, mode=[0])
+            copy, threads = row_copy(self.dtype, rows_t, self.d, NUM_MMA_WG * WG_THREADS)
+            if tidx < threads:
+                thr = copy.get_slice(tidx)
+                tTsT = thr.partition_D(t)
+                tTcT = thr.partition_D(cute.make_identity_tensor((rows_t, self.d)))
+                zero = cute.make_rmem_tensor_like(tTsT)
+                zero.fill(0.0)
+                for m in cutlass.range_constexpr(cute.size(tTsT, mode=[1])):
+                    if tTcT[0, m, 0][0] >= rows:
+                        cute.copy(copy, zero[None, m, None], tTsT[None, m, None])
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> wgmma reads
+        cute.arch.barrier(barrier_id=int(Barrier.TAIL), number_of_threads=NUM_MMA_WG * WG_THREADS)
+
+    @cute.jit
+    def zero_q_tail(self, m_block: Int32, st_q, st_do, sQ: cute.Tensor, sdO: cute.Tensor,
+                    pipe_q, pipe_do, q_tail: Int32, q_tail_rows: Int32):
+        """Varlen: in the block where the sequence ends, its Q / dO rows past the end zeroed
+        (both mma warpgroups take part: zero_tail_rows' barrier)."""
+        if const_expr(self.varlen):
+            if m_block == q_tail:  # the sequence ends inside this block
+                pipe_q.consumer_wait(st_q)  # the caller's waits then pass at once
+                pipe_do.consumer_wait(st_do)
+                self.zero_tail_rows((sQ[None, None, st_q.index], sdO[None, None, st_do.index]),
+                                    q_tail_rows, cute.arch.thread_idx()[0] - WG_THREADS)
