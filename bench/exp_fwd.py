@@ -132,6 +132,13 @@ VARIANTS = {
                                         if d in (96, 128) else None),
     "ship_packed": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "packed_p_cvt": True}
                                          if d == 128 else None),
+    # Session 40: 64-key blocks under the shipped walk for d <= 128 (d=64 causal 1k, the
+    # forward's weakest cell): groundwork for a warpgroup skipping the half of the diagonal
+    # block its rows cannot see, which needs blocks of 64 keys.
+    "ship_tn64": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "tile_n": 64}
+                                       if d <= 128 else None),
+    "ship_tn64_s3": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "tile_n": 64,
+                                           "kv_stages": 3} if d <= 128 else None),
     # The dynamic walk at any causality (session 13: 3.5% behind the static walk at d=64
     # non-causal 4k; session 38: 2-7% ahead there, now shipped at d=64).
     "ship_dyn": lambda d, causal, s: fwd_overrides(d, causal, True, True,
@@ -172,6 +179,7 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
               (128, 1024, True), (128, 4096, True), (128, 4096, False), (192, 4096, False),
               (192, 4096, True), (192, 1024, True), (256, 1024, False), (256, 4096, False),
               (256, 4096, True)],
+    "c_short": [(64, 1024, True), (64, 2048, True), (128, 1024, True)],
     "d64": [(64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)],
     "d64nc": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (64, 2048, False),
               (128, 4096, False)],
