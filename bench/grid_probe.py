@@ -5,12 +5,12 @@ calls, through flash_attn_func and through dispatch.fwd, in one process.
     python bench/grid_probe.py [--d 64] [--s 1024] [--causal 1]
 """
 import argparse
-import time
 
 import torch
 
 from flash_cute import dispatch, flash_attn_func
 from flash_cute.bench import Timing, attn_flops, tflops, time_ms
+from host_cost import host_us  # bench/ is on sys.path when run as a script
 
 
 def batch_ms(fn, n=50):
@@ -25,17 +25,6 @@ def batch_ms(fn, n=50):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / n
-
-
-def host_us(fn, n=200):
-    """Host microseconds per call, the GPU left to run behind."""
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def main():
@@ -59,7 +48,7 @@ def main():
                 per_batch = batch_ms(fn)
                 print(f"round {rnd} {name:8s} per-call events {tflops(flops, ms):5.0f} TFLOP/s"
                       f" | batch of 50 {tflops(flops, per_batch):5.0f} | host "
-                      f"{host_us(fn):5.1f} us/call | kernel {per_batch * 1e3:6.1f} us",
+                      f"{host_us(fn)[0]:5.1f} us/call | {per_batch * 1e3:6.1f} us per call",
                       flush=True)
 
 

@@ -208,3 +208,18 @@ def test_bwd_split_tail_refused_where_it_does_not_apply():
         backward.bwd_config(128, {"split_tail": True, "persistent": True, "stagger": False})
     with pytest.raises(NotImplementedError, match="split_tail"):
         backward.bwd_cubin(ARCH, "BFloat16", 128, False, varlen=True, split_tail=True)
+
+
+def test_skip_masked_wg_only_on_64_row_tiles():
+    """BwdSm90Config.skip_masked_wg is shipped on (d 64 / 96 / 128) but taken by the 64-row,
+    one-tile-per-CTA kernel only; the 80- / 128-row tiles and the persistent kernel keep
+    their code (ptxas spilled or serialized them with it)."""
+    from flash_cute.config import BwdSm90Config
+    for d in (64, 96, 128):
+        assert BwdSm90Config.for_head_dim(d).skips_masked_wg
+    assert not backward.bwd_config(64, backward.BATCHED_TILE_M128).skips_masked_wg
+    assert not backward.bwd_config(128, backward.BATCHED_TALT).skips_masked_wg
+    assert not backward.bwd_config(96, {"persistent": True}).skips_masked_wg
+    with pytest.raises(ValueError, match="skip_masked_wg"):
+        dataclasses.replace(BwdSm90Config.for_head_dim(256), skip_masked_wg=True)
+

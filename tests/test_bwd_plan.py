@@ -13,6 +13,8 @@ from flash_cute.kernels.common import block_info
 from flash_cute.kernels.common.seqlen import pad_offset
 from flash_cute.reference import attention_ref
 
+MMA_WG = 2  # kernels/sm90/bwd.py: the key block's rows split over two mma warpgroups
+
 
 def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
     """The kernels' algorithm, block by block, in float64: bwd_pre's D and LSE_log2 (with its
@@ -60,6 +62,15 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
                     dOt = dO[bi, m * tile_m:(m + 1) * tile_m, hi]
                     St = Kt @ Qt.T                                  # S^T: keys x queries
                     if m < mask_end:
+                        # skip_masked_wg: a warpgroup's keys (tile_n / 2, from its first one
+                        # at or past key_end_visible) are seen by no row of the block, so it
+                        # may skip their products.
+                        key_end = block_info.key_end_visible(m, tile_m, sq, sk, causal)
+                        wk = tile_n // MMA_WG
+                        for w in range(MMA_WG):
+                            if n * tile_n + w * wk >= key_end:
+                                assert not allowed[w * wk:(w + 1) * wk].any(), \
+                                    (n, m, w, "a skipped warpgroup has visible scores")
                         kernel_ok = (keys < sk) & ((keys <= rows + off) if causal else True)
                         St = St.masked_fill(~kernel_ok, -math.inf)
                     else:
