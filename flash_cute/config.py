@@ -621,7 +621,7 @@ class BwdSm90Config:
     # A warpgroup whose 64 keys no row of a masked query block sees (above the causal
     # diagonal, or past seqlen_k) skips that block's S^T, dP^T, exp2, dV and dK and stores
     # zeros as its dS^T rows for the dQ wgmma. With 64-row query blocks and 128-key tiles this
-    # is the second warpgroup in the first block of every causal tile: 1 of 16 warpgroup-blocks
+    # is the second warpgroup in the first block of every causal tile: 1 of 18 warpgroup-blocks
     # at d=128 s=1k, where tiles average 9 query blocks. Narrow kernel, 64-row query blocks,
     # one tile per CTA only (``skips_masked_wg``): the 80- / 128-row tiles would skip only in
     # ragged or unequal-length tiles (not timed), and there ptxas spilled a word (128 rows) or
