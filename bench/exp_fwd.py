@@ -139,6 +139,13 @@ VARIANTS = {
                                        if d <= 128 else None),
     "ship_tn64_s3": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "tile_n": 64,
                                            "kv_stages": 3} if d <= 128 else None),
+    # Session 41: the first (edge) key block over half its keys where a warpgroup sees no
+    # more (FwdSm90Config.half_edge: S, mask, softmax; half_edge_pv: P V too).
+    "ship_whole": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "half_edge": False},
+    "ship_half": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "half_edge": True,
+                                       "half_edge_pv": False},
+    "ship_half_pv": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "half_edge": True,
+                                          "half_edge_pv": True},
     # The dynamic walk at any causality (session 13: 3.5% behind the static walk at d=64
     # non-causal 4k; session 38: 2-7% ahead there, now shipped at d=64).
     "ship_dyn": lambda d, causal, s: fwd_overrides(d, causal, True, True,
@@ -179,6 +186,9 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
               (128, 1024, True), (128, 4096, True), (128, 4096, False), (192, 4096, False),
               (192, 4096, True), (192, 1024, True), (256, 1024, False), (256, 4096, False),
               (256, 4096, True)],
+    "half": [(64, 1024, True), (64, 16384, True), (128, 1024, True), (128, 4096, True),
+             (256, 1024, True), (128, 960, False)],
+    "half2": [(64, 2048, True), (96, 1024, True), (64, 960, False), (128, 16384, True)],
     "c_short": [(64, 1024, True), (64, 2048, True), (128, 1024, True)],
     "d64": [(64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)],
     "d64nc": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (64, 2048, False),

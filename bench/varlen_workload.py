@@ -26,6 +26,8 @@ config), timed in interleaved rounds (median per value), instead of the peer com
 one tile per CTA vs the persistent varlen forward), forward and step interleaved, then each
 step's GPU time per kernel (session 12: the persistent forward sped the forward alone up and
 slowed the step).
+--fwd-configs: as --fwd-walks, under each FLASH_CUTE_FWD_CONFIG value ("" = the shipped
+kernels; e.g. ``--fwd-configs "" half_edge=0``).
 """
 import argparse
 import os
@@ -61,6 +63,7 @@ def main():
     p.add_argument("--kernels", action="store_true")
     p.add_argument("--bwd-configs", nargs="+", metavar="SPEC")
     p.add_argument("--fwd-walks", nargs="+", metavar="VALUE")
+    p.add_argument("--fwd-configs", nargs="+", metavar="SPEC")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="then 30 training steps per implementation (not sdpa_pad) under "
@@ -108,10 +111,13 @@ def main():
 
     if args.bwd_configs:
         return compare_configs(args.bwd_configs, step(impls["flash_cute"]), flops, args.rounds)
-    if args.fwd_walks:
+    if args.fwd_walks or args.fwd_configs:
+        from flash_cute.dispatch import CONFIG_FWD_ENV, PERSISTENT_FWD_ENV
         ours = impls["flash_cute"]
-        return compare_fwd_walks(args.fwd_walks, lambda: ours(q, k, v), step(ours), flops,
-                                 args.rounds)
+        return compare_fwd_walks(
+            PERSISTENT_FWD_ENV if args.fwd_walks else CONFIG_FWD_ENV,
+            args.fwd_walks or args.fwd_configs, lambda: ours(q, k, v), step(ours), flops,
+            args.rounds)
     # Interleaved rounds, median per implementation: the machine's speed drifts over a run;
     # interleaving shares the drift out. timeit queues its calls (check_fwd.py), so the host's
     # cost shows only where the host is slower than the GPU.
@@ -162,25 +168,25 @@ def compare_configs(specs, run, flops, rounds):
     os.environ.pop(CONFIG_ENV)
 
 
-def compare_fwd_walks(values, fwd, step, flops, rounds):
-    """Ours under each FLASH_CUTE_FWD_PERSISTENT value (e.g. 0: one tile per CTA, dyn: the
-    dynamic persistent walk): the forward alone and the training step in interleaved rounds
-    (median), then each value's GPU time per kernel of a step (is the step's extra time in a
-    kernel, or between them?)."""
-    from flash_cute.dispatch import PERSISTENT_FWD_ENV
+def compare_fwd_walks(var, values, fwd, step, flops, rounds):
+    """Ours under each value of the environment variable ``var``: FLASH_CUTE_FWD_PERSISTENT
+    (--fwd-walks; e.g. 0: one tile per CTA, dyn: the dynamic persistent walk) or
+    FLASH_CUTE_FWD_CONFIG (--fwd-configs; "" the shipped kernels). The forward alone and the
+    training step in interleaved rounds (median), then each value's GPU time per kernel of a
+    step (is the step's extra time in a kernel, or between them?)."""
     times = {v: ([], []) for v in values}
     for _ in range(rounds):
         for v in values:
-            os.environ[PERSISTENT_FWD_ENV] = v
+            os.environ[var] = v
             times[v][0].append(timeit(fwd, reps=10))
             times[v][1].append(timeit(step, reps=5))
     for v, (t_f, t_fb) in times.items():
-        os.environ[PERSISTENT_FWD_ENV] = v
+        os.environ[var] = v
         t_f, t_fb = statistics.median(t_f), statistics.median(t_fb)
-        print(f"{PERSISTENT_FWD_ENV}={v}: fwd {t_f:.3f} ms ({flops / t_f / 1e9:.0f} TFLOP/s), "
+        print(f"{var}={v}: fwd {t_f:.3f} ms ({flops / t_f / 1e9:.0f} TFLOP/s), "
               f"fwd+bwd {t_fb:.3f} ms", flush=True)
-        kernel_times(f"{PERSISTENT_FWD_ENV}={v}", step)
-    os.environ.pop(PERSISTENT_FWD_ENV)
+        kernel_times(f"{var}={v}", step)
+    os.environ.pop(var)
 
 
 def host_profile(name, run, top, steps=30):

@@ -69,7 +69,8 @@ import threading
 import torch
 
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
-                     BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections)
+                     BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections,
+                     parse_config_spec)
 from .dispatch import NO_VARLEN, compile_kernel, partials_workspace
 from .kernels.common.scheduler import varlen_num_tiles
 from .kernels.common.seqlen import pad_offset
@@ -411,27 +412,8 @@ def env_overrides() -> dict:
     return dict(_parse_env_config(os.environ.get(CONFIG_ENV, "").strip()))
 
 
-@functools.lru_cache(maxsize=16)  # read on every call: parsed once per value
 def _parse_env_config(spec: str) -> tuple:
-    fields = {f.name: f.default for f in dataclasses.fields(BwdSm90Config)}
-    out = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or name not in fields:
-            raise ValueError(f"{CONFIG_ENV}={spec!r}: {item!r} is not field=value of a "
-                             f"BwdSm90Config field ({', '.join(fields)})")
-        kind = type(fields[name])
-        if kind is bool:
-            if value not in ("0", "1"):
-                raise ValueError(f"{CONFIG_ENV}={spec!r}: {name} takes 0 or 1, not {value!r}")
-            out[name] = value == "1"
-        else:
-            try:
-                out[name] = kind(value)
-            except ValueError:
-                raise ValueError(f"{CONFIG_ENV}={spec!r}: {name} takes a {kind.__name__}, "
-                                 f"not {value!r}") from None
-    return tuple(out.items())
+    return parse_config_spec(CONFIG_ENV, BwdSm90Config, spec)
 
 
 # The batched d=64 backward takes the 128-row query tile (FA3/FA4's), its 128 x 64 dQ tile

@@ -74,6 +74,13 @@ class FwdSm90Config:
     # Otherwise that round keeps R of the SMs busy (d=128 16 heads x 16k: 2048 tiles on 132
     # SMs, 68 of them in the last round, about 3% of the call idle).
     split_tail: bool = False
+    # A warpgroup whose rows see only the first tile_n / 2 keys of the tile's first (last)
+    # key block (the causal diagonal under the first warpgroup when tile_m == tile_n, a
+    # ragged key tail) computes that block's S, mask and softmax over those keys alone.
+    half_edge: bool = True
+    # half_edge's P V too: tile_n / 2 deep for that block (a branch around its wgmma issue);
+    # no effect without half_edge (halves_edge_pv).
+    half_edge_pv: bool = True
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg not in (2, 3):
@@ -91,6 +98,16 @@ class FwdSm90Config:
     def tile_m(self):
         return 64 * self.num_consumer_wg
 
+    @property
+    def halves_edge(self) -> bool:
+        """half_edge where the key block halves into 16-key wgmma steps (not 80 / 112 / 176)
+        and with two consumer warpgroups (three, at 160 registers, serialized the wgmma)."""
+        return self.half_edge and self.tile_n % 32 == 0 and self.num_consumer_wg == 2
+
+    @property
+    def halves_edge_pv(self) -> bool:
+        return self.half_edge_pv and self.halves_edge
+
     @staticmethod
     @functools.lru_cache(maxsize=None)  # frozen, asked for on every call
     def for_head_dim(d: int) -> "FwdSm90Config":
@@ -100,7 +117,9 @@ class FwdSm90Config:
         if d == 64:  # lazy_rescale: causal only (LAZY below); d=96 none
             return FwdSm90Config(head_dim=d, tile_n=tile_n, num_consumer_wg=3, packed_p_cvt=True,
                                  skip_empty_wg=True)
-        return FwdSm90Config(head_dim=d, tile_n=tile_n, lazy_rescale=d >= 128)
+        # half_edge: not d=96, whose persistent walks ptxas then serialized (C7511, registers).
+        return FwdSm90Config(head_dim=d, tile_n=tile_n, lazy_rescale=d >= 128,
+                             half_edge=d != 96)
 
 
 # Persistent forward: the config overrides per (head dim, causal) under which it compiles clean
@@ -139,6 +158,10 @@ LAZY_BATCHED_ONLY_HEAD_DIMS = (64,)
 # 663, 16k 685 / - / 696. d=96 lost 4-8% with Q in registers (524 vs 567 at 4k): d=128 only,
 # with OWN_O's 128-key blocks (176-key blocks spill with it).
 QREGS = {"q_in_regs": True}
+# FwdSm90Config.half_edge_pv's branch around the P V wgmma issue made ptxas serialize the
+# wgmma (C7511: registers) in d=128's varlen non-causal walk; there the first block's P V
+# stays full depth over a zeroed half of P. (d=96 takes no half_edge: for_head_dim.)
+HALF_PV_OFF_VARLEN = ((128, False),)
 QREGS_HEAD_DIMS = (128,)
 PERSISTENT_FWD = {(64, False): {}, (64, True): LAZY, (96, False): {}, (96, True): {},
                   (128, False): {**PACKED, "tile_n": 176}, (128, True): PACKED,
@@ -216,6 +239,8 @@ def fwd_overrides(d: int, causal: bool, persistent: bool = False, dynamic: bool 
            **(NARROW_FWD[d] if narrow else {}), **({"split_tail": True} if split else {})}
     if varlen and d in LAZY_BATCHED_ONLY_HEAD_DIMS:
         out["lazy_rescale"] = False
+    if varlen and (d, bool(causal)) in HALF_PV_OFF_VARLEN:
+        out["half_edge_pv"] = False
     return out
 
 
@@ -802,3 +827,29 @@ class BwdSm90Config:
         if causal and self.dq_split == "t" and not self.wide:
             raise ValueError(f"tile_m={BWD_TILE_M80} with dq_split='t' is non-causal only; "
                              f"causal uses tile_m 64 or 'talt'")
+
+
+@functools.lru_cache(maxsize=16)  # read on every call: parsed once per value
+def parse_config_spec(var: str, cls, spec: str) -> tuple:
+    """Fields of the config dataclass ``cls`` from an environment value ("a=1,b=64"), each
+    typed like its default: ((name, value), ...). ValueError naming ``var`` for an unknown
+    field or a bad value."""
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"{var}={spec!r}: {item!r} is not field=value of a "
+                             f"{cls.__name__} field ({', '.join(fields)})")
+        kind = type(fields[name])
+        if kind is bool:
+            if value not in ("0", "1"):
+                raise ValueError(f"{var}={spec!r}: {name} takes 0 or 1, not {value!r}")
+            out[name] = value == "1"
+        else:
+            try:
+                out[name] = kind(value)
+            except ValueError:
+                raise ValueError(f"{var}={spec!r}: {name} takes a {kind.__name__}, "
+                                 f"not {value!r}") from None
+    return tuple(out.items())

@@ -23,7 +23,8 @@ import torch
 
 from .config import (SUPPORTED_HEAD_DIMS, VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config,
                      fwd_config, fwd_l2_budget, fwd_overrides, fwd_own_o, fwd_tile_m,
-                     heads_per_section, l2_sections, narrow_fwd, persistent_fwd_order,
+                     heads_per_section, l2_sections, narrow_fwd, parse_config_spec,
+                     persistent_fwd_order,
                      persistent_fwd_overrides, persistent_fwd_walk, split_tail_min_idle,
                      split_tail_ctas)
 
@@ -38,6 +39,9 @@ _cache_lock = threading.Lock()
 # with the dynamic tile order (an atomic tile counter, FwdSm90Config.dynamic). Varlen calls
 # follow it when it is set; unset they always walk (config.VARLEN_FWD_PERSISTENT_AUTO).
 PERSISTENT_FWD_ENV = "FLASH_CUTE_FWD_PERSISTENT"
+# FwdSm90Config fields over every forward kernel's own ("half_edge=0,kv_stages=3"), for A/B
+# runs through the API (bench/varlen_workload.py --fwd-configs); part of the cache key.
+CONFIG_FWD_ENV = "FLASH_CUTE_FWD_CONFIG"
 # Split tail of the static walk (FwdSm90Config.split_tail). "auto": where
 # config.split_tail_ctas finds it worth it; "0": never (A/B runs); "kernel": the split
 # kernel wherever auto would take it, run with no split (its cost without the gain); "all":
@@ -190,12 +194,29 @@ def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: boo
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
     own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail."""
     flags = kernel_flags(persistent, dynamic, narrow, own_o, split)
-    key = ("fwd", arch, dtype_name, d, causal, varlen) + flags
+    env = fwd_env_overrides()
+    key = ("fwd", arch, dtype_name, d, causal, varlen) + flags + env
     with _cache_lock:
         if key not in _cache:
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen,
-                                       **kernel_overrides(d, causal, varlen, flags))
+                                       **{**kernel_overrides(d, causal, varlen, flags),
+                                          **dict(env)})
         return _cache[key]
+
+
+# Chosen per call by the dispatcher (tile shape, walk), so not FLASH_CUTE_FWD_CONFIG's.
+FWD_ENV_FIXED = ("num_consumer_wg", "tile_n", "persistent", "dynamic", "own_o", "split_tail")
+
+
+def fwd_env_overrides() -> tuple:
+    """FLASH_CUTE_FWD_CONFIG's FwdSm90Config fields, ((name, value), ...)."""
+    spec = os.environ.get(CONFIG_FWD_ENV, "").strip()
+    out = parse_config_spec(CONFIG_FWD_ENV, FwdSm90Config, spec)
+    for name, _ in out:
+        if name in FWD_ENV_FIXED:
+            raise ValueError(f"{CONFIG_FWD_ENV}={spec!r}: {name} is chosen per call, not "
+                             f"set here (fixed: {', '.join(FWD_ENV_FIXED)})")
+    return out
 
 
 def kernel_flags(persistent, dynamic, narrow, own_o, split) -> tuple:

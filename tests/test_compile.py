@@ -225,3 +225,20 @@ def test_cache_key_separates_tile_orders(monkeypatch):
     assert dispatch.get_fwd_kernel(ARCH, "BFloat16", 128, True, persistent=True,
                                    dynamic=True) is dynamic
     assert not static.get("dynamic") and dynamic["dynamic"] and len(compiled) == 2
+
+
+def test_fwd_env_config_is_keyed_and_checked(monkeypatch):
+    """FLASH_CUTE_FWD_CONFIG (A/B runs through the API) reaches the compile and the cache key;
+    a field the dispatcher chooses per call, or an unknown one, is refused by name."""
+    compiled = []
+    monkeypatch.setattr(dispatch, "_compile_fwd", lambda *a, **kw: compiled.append(kw) or kw)
+    monkeypatch.setattr(dispatch, "_cache", {})
+    monkeypatch.delenv(dispatch.CONFIG_FWD_ENV, raising=False)
+    shipped = dispatch.get_fwd_kernel(ARCH, "BFloat16", 128, True)
+    monkeypatch.setenv(dispatch.CONFIG_FWD_ENV, "half_edge=0")
+    whole = dispatch.get_fwd_kernel(ARCH, "BFloat16", 128, True)
+    assert "half_edge" not in shipped and whole["half_edge"] is False and len(compiled) == 2
+    for bad in ("tile_n=64", "no_such_field=1", "half_edge=yes"):
+        monkeypatch.setenv(dispatch.CONFIG_FWD_ENV, bad)
+        with pytest.raises(ValueError, match=dispatch.CONFIG_FWD_ENV):
+            dispatch.get_fwd_kernel(ARCH, "BFloat16", 128, True)

@@ -51,3 +51,12 @@ def key_end_visible(m_block: Int32, tile_m: int, seqlen_q: Int32, seqlen_k: Int3
     if causal:
         return cutlass.min(seqlen_k, (m_block + 1) * tile_m + seqlen_k - seqlen_q)
     return seqlen_k
+
+
+def sees_half_edge(rows_block: Int32, rows: int, n_max: Int32, tile_n: int, seqlen_q: Int32,
+                   seqlen_k: Int32, causal: bool):
+    """Whether query block ``rows_block`` (of ``rows`` rows: one warpgroup's) sees no key in
+    the second half of key block n_max - 1, the first one the forward visits: the causal
+    diagonal under a tile's first warpgroup, a ragged tail of at most tile_n / 2 keys."""
+    end = key_end_visible(rows_block, rows, seqlen_q, seqlen_k, causal)
+    return end <= (n_max - 1) * tile_n + tile_n // 2

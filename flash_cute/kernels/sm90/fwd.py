@@ -217,11 +217,7 @@ class FlashFwdSm90:
             mLSE = select_modes(mLSE, [2, 1, 0])
         dt, tm, tn, d, stages = self.dtype, self.tile_m, self.tile_n, self.d, self.cfg.kv_stages
 
-        mma_qk = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tn),
-            a_source=warpgroup.OperandSource.RMEM if const_expr(self.cfg.q_in_regs)
-            else warpgroup.OperandSource.SMEM)
+        mma_qk = self.make_mma_qk(tn)
         mma_pv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, d),
@@ -257,6 +253,14 @@ class FlashFwdSm90:
                     sV_layout, mma_qk, mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                     mTileCounter, tail_ctas, mPartial, mTileFlags).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def make_mma_qk(self, cols: int) -> cute.TiledMma:
+        """S = Q K^T over ``cols`` keys (tile_n; cfg.half_edge: also tile_n / 2)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K, Float32, atom_layout_mnk=(self.num_wg, 1, 1),
+            tiler_mn=(64, cols), a_source=warpgroup.OperandSource.RMEM
+            if const_expr(self.cfg.q_in_regs) else warpgroup.OperandSource.SMEM)
 
     def make_shared_storage(self, sQ_layout, sK_layout, sV_layout):
         """The kernel's shared memory (module docstring). Plain Python at trace time, so the
@@ -580,11 +584,23 @@ class FlashFwdSm90:
             if const_expr(self.cfg.own_o):  # sQ read: the next tile's Q may land now
                 pipe_q.consumer_release(q)
         pipe_k.consumer_wait(kv)
-        gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True, wait_group=0)
-        pipe_k.consumer_release(kv)
-        mask(n_max - 1)
-        softmax.step(tSrS, is_first=True)
-        self.convert_p(tOrP, tSrS)
+        first = (mma_qk, tSrS, tOrP, tSrQ, tSrK, sK, softmax, m_block, n_max, seq, wg, tidx,
+                 kv, pipe_k)
+        # cfg.half_edge_pv: the key block whose S mma_block computes when the first block's
+        # P V runs (n_max - 2; the last P V when n_lo is n_max - 1), or -2 for none.
+        half_pv = None
+        if const_expr(self.cfg.halves_edge):
+            half = block_info.sees_half_edge(m_block * self.num_wg + wg, WG_ROWS, n_max,
+                                             self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                                             self.causal)
+            if half:
+                self.first_block(*first, half=True)
+            else:
+                self.first_block(*first)
+            if const_expr(self.cfg.halves_edge_pv):
+                half_pv = n_max - 2 if half else Int32(-2)
+        else:
+            self.first_block(*first)
         tOrO.fill(0.0)
         if const_expr(self.varlen):
             self.zero_v_tail(sV, pipe_v, kv, n_max, seqlen_k, tidx)
@@ -601,10 +617,12 @@ class FlashFwdSm90:
                     m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k))
             for i in cutlass.range(n_max - 1 - n_unmasked_end, unroll=1):
                 kv = self.mma_block(n_max - 2 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ,
-                                    tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, mask)
+                                    tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, mask,
+                                    half_pv)
         for i in cutlass.range(n_unmasked_end - n_lo, unroll=1):
             kv = self.mma_block(n_unmasked_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
-                                tSrQ, tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, None)
+                                tSrQ, tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, None,
+                                half_pv)
 
         if const_expr(self.cfg.own_o and not self.cfg.q_in_regs):
             pipe_q.consumer_release(q)  # every QK^T of the tile has completed
@@ -612,9 +630,58 @@ class FlashFwdSm90:
         if const_expr(self.cfg.early_rescale):
             rescale_rows(tOrO, o_scale, self.cfg.lazy_rescale)
         pipe_v.consumer_wait(kv)
-        gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv.index], zero_init=False, wait_group=0)
+        self.pv(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv.index], 0, half_pv,
+                n_lo - 1)
         pipe_v.consumer_release(kv)
         return kv
+
+    @cute.jit
+    def pv(self, mma_pv: cute.TiledMma, tOrO: cute.Tensor, tOrP: cute.Tensor,
+           tOrV: cute.Tensor, wait_group: cutlass.Constexpr[int], half_pv, n_block: Int32):
+        """O += P V; over the first tile_n / 2 keys alone where ``half_pv`` (cfg.half_edge_pv,
+        else None) names ``n_block`` (the block whose S runs beside this P V)."""
+        if const_expr(half_pv is None):
+            gemm(mma_pv, tOrO, tOrP, tOrV, zero_init=False, wait_group=wait_group)
+        else:
+            if half_pv == n_block:
+                gemm(mma_pv, tOrO, tOrP, tOrV, zero_init=False, wait_group=wait_group,
+                     k_blocks=cute.size(tOrP.shape[2]) // 2)
+            else:
+                gemm(mma_pv, tOrO, tOrP, tOrV, zero_init=False, wait_group=wait_group)
+
+    @cute.jit
+    def first_block(self, mma_qk: cute.TiledMma, tSrS: cute.Tensor, tOrP: cute.Tensor,
+                    tSrQ: cute.Tensor, tSrK: cute.Tensor, sK: cute.Tensor,
+                    softmax: OnlineSoftmax, m_block: Int32, n_max: Int32, seq: SeqlenInfo,
+                    wg: Int32, tidx: Int32, kv, pipe_k, half: cutlass.Constexpr[bool] = False):
+        """The tile's first block (its last key block, always masked): S, mask, softmax, P.
+        ``half`` (cfg.half_edge, block_info.sees_half_edge): the warpgroup sees only the
+        block's first tile_n / 2 keys, so S, its mask and softmax cover those columns alone:
+        a tile_n / 2-wide wgmma into the first half of S's registers (a wgmma accumulator's
+        values run column group by column group) and of P's, the other half of P zeroed for
+        a full-depth P V (half_edge_pv: P V reads the first half only)."""
+        cols = self.tile_n // 2 if const_expr(half) else self.tile_n
+        if const_expr(half):
+            mma_qk = self.make_mma_qk(cols)
+            sK = cute.flat_divide(sK, (cols,))[None, 0, None, None]
+            wg_mma = mma_qk.get_slice(wg * WG_THREADS)
+            tSrK = mma_qk.make_fragment_B(wg_mma.partition_B(sK))
+            tSrS_all, tOrP_all = tSrS, tOrP
+            tSrS = cute.make_tensor(tSrS_all.iterator, cute.make_layout(
+                wg_mma.partition_shape_C((self.tile_m, cols))))
+            tOrP = cute.make_tensor(tOrP_all.iterator, cute.make_layout(
+                acc_as_operand_a(tSrS).shape))
+            if const_expr(not self.cfg.halves_edge_pv):  # else P V reads only the first half
+                cute.make_tensor(tOrP_all.iterator + cute.size(tOrP), tOrP.layout).fill(0.0)
+        gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True,
+             wait_group=0)
+        pipe_k.consumer_release(kv)
+        cS = cute.make_identity_tensor((self.tile_m, cols))
+        apply_mask(tSrS, mma_qk.get_slice(tidx).partition_C(cS),
+                   mma_qk.get_slice(0).partition_C(cS), m_block, n_max - 1, self.tile_m,
+                   self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal)
+        softmax.step(tSrS, is_first=True)
+        self.convert_p(tOrP, tSrS)
 
     @cute.jit
     def pass_blocks(self, sV: cute.Tensor, pipe_q, pipe_k, pipe_v, n_max: Int32,
@@ -646,7 +713,7 @@ class FlashFwdSm90:
     @cute.jit
     def mma_block(self, n_block: Int32, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ, tSrK, tOrV,
                   softmax: OnlineSoftmax, o_scale: Optional[cute.Tensor], pipe_k, pipe_v,
-                  wg: Int32, mask):
+                  wg: Int32, mask, half_pv=None):
         """One key block with intra-warpgroup overlap: S_n = Q K_n^T runs beside O += P V_prev.
         ``o_scale``: cfg.early_rescale's pending factor of O (read, then replaced)."""
         kv_prev = kv.clone()
@@ -658,8 +725,7 @@ class FlashFwdSm90:
         if const_expr(self.cfg.early_rescale):  # under S_n; O's last P V was waited on
             rescale_rows(tOrO, o_scale, self.cfg.lazy_rescale)
         pipe_v.consumer_wait(kv_prev)
-        gemm(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv_prev.index], zero_init=False,
-             wait_group=-1)
+        self.pv(mma_pv, tOrO, tOrP, tOrV[None, None, None, kv_prev.index], -1, half_pv, n_block)
         self.pass_turn(wg)
         if const_expr(mask is None):
             warpgroup.wait_group(1)  # S_n is ready; P V may still run under the softmax

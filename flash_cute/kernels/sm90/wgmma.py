@@ -21,8 +21,10 @@ def make_smem_layout(dtype, shape, stages=None, atom_cols=None):
 
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
-         zero_init: cutlass.Constexpr[bool], wait_group: cutlass.Constexpr[int]):
-    """acc (+)= A @ B over every k block, issued as one wgmma group.
+         zero_init: cutlass.Constexpr[bool], wait_group: cutlass.Constexpr[int],
+         k_blocks: cutlass.Constexpr[int] = None):
+    """acc (+)= A @ B over every k block (the first ``k_blocks`` only, if given), issued as one
+    wgmma group.
 
     ``wait_group`` >= 0 waits until at most that many groups are in flight; -1 returns at once so
     the caller can overlap other work with the tensor cores.
@@ -31,7 +33,8 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
     # A fresh atom: its ACCUMULATE field is mutated per k block.
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+    num_k = cute.size(tCrA.shape[2]) if cutlass.const_expr(k_blocks is None) else k_blocks
+    for k in cutlass.range_constexpr(num_k):
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
