@@ -146,6 +146,11 @@ VARIANTS = {
                                        "half_edge_pv": False},
     "ship_half_pv": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "half_edge": True,
                                           "half_edge_pv": True},
+    # Session 41: a share of the probabilities from a cubic on the FMA pipe instead of
+    # MUFU.EX2 (FwdSm90Config.poly_exp2: this many of every 8), d=64 (MUFU-bound).
+    **{f"ship_poly{n}": (lambda d, causal, s, n=n: {**VARIANTS["ship"](d, causal, s),
+                                                    "poly_exp2": n} if d == 64 else None)
+       for n in (1, 2, 3, 4)},
     # The dynamic walk at any causality (session 13: 3.5% behind the static walk at d=64
     # non-causal 4k; session 38: 2-7% ahead there, now shipped at d=64).
     "ship_dyn": lambda d, causal, s: fwd_overrides(d, causal, True, True,
@@ -189,6 +194,8 @@ SHAPES = {  # (d, seqlen, causal) at 16k tokens per batch
     "half": [(64, 1024, True), (64, 16384, True), (128, 1024, True), (128, 4096, True),
              (256, 1024, True), (128, 960, False)],
     "half2": [(64, 2048, True), (96, 1024, True), (64, 960, False), (128, 16384, True)],
+    "poly": [(64, 1024, True), (64, 1024, False), (64, 4096, False), (64, 16384, False),
+             (64, 4096, True), (64, 16384, True)],
     "c_short": [(64, 1024, True), (64, 2048, True), (128, 1024, True)],
     "d64": [(64, 4096, False), (64, 16384, False), (64, 4096, True), (64, 16384, True)],
     "d64nc": [(64, 1024, False), (64, 4096, False), (64, 16384, False), (64, 2048, False),

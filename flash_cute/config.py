@@ -78,6 +78,10 @@ class FwdSm90Config:
     # key block (the causal diagonal under the first warpgroup when tile_m == tile_n, a
     # ragged key tail) computes that block's S, mask and softmax over those keys alone.
     half_edge: bool = True
+    # Of every 8 probabilities of a thread's row, this many come from a cubic on the FMA
+    # pipe (softmax.exp2_poly) instead of MUFU.EX2: at d=64 a key block's exp2 keeps MUFU as
+    # busy as its two GEMMs keep the tensor cores (16 exp2 vs 4096 FLOP per clock and SM).
+    poly_exp2: int = 0
     # half_edge's P V too: tile_n / 2 deep for that block (a branch around its wgmma issue);
     # no effect without half_edge (halves_edge_pv).
     half_edge_pv: bool = True

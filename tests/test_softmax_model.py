@@ -98,3 +98,36 @@ def test_model_large_jump_in_a_late_block(lazy):
         ref, _ = attention_ref(q[None, :, None], k[None, :, None], v[None, :, None])
         low, _ = attention_ref(*(t[None, :, None].bfloat16() for t in (q, k, v)), upcast=False)
         check_close(out[None, :, None], ref, low, name="out")
+
+
+def exp2_poly_model(x):
+    """softmax.exp2_poly's instructions in float32 (numpy, round to nearest like the PTX)."""
+    import numpy as np
+    from flash_cute.kernels.common import softmax
+    f32 = lambda h: np.array([int(h[2:], 16)], np.uint32).view(np.float32)[0]  # noqa: E731
+    c3, c2, c1 = (f32(h) for h in softmax.POLY_EXP2_COEFFS)
+    big = f32(softmax.POLY_EXP2_ROUND)
+    x = np.asarray(x, np.float32)
+    x = np.where(np.isnan(x), x, np.maximum(x, f32(softmax.POLY_EXP2_CLAMP)))
+    t = (x + big).astype(np.float32)
+    f = (x - (t - big).astype(np.float32)).astype(np.float32)
+    p = ((np.float32(f * c3) + c2) * f + c1).astype(np.float32)
+    p = (p * f + np.float32(1.0)).astype(np.float32)
+    bits = p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def test_exp2_poly_accuracy_and_edges():
+    """The FMA-pipe exp2 (FwdSm90Config.poly_exp2): within 1.1e-4 relative over the range a
+    probability's exponent takes (<= 0, up to lazy_rescale's slack above), exactly 1 at 0,
+    exactly 0 from -127 down (masked scores: -inf), NaN kept."""
+    import numpy as np
+    x = np.concatenate([np.linspace(-126, RESCALE_SLACK_LOG2, 400001, dtype=np.float32),
+                        np.float32([-0.0, 0.0, -1e-8, 1e-8])])
+    got = exp2_poly_model(x).astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    assert np.abs(got / want - 1).max() < 1.1e-4
+    assert exp2_poly_model(np.float32([0.0]))[0] == 1.0
+    edge = exp2_poly_model(np.float32([-127.0, -200.0, -np.inf]))
+    assert (edge == 0).all() and not np.signbit(edge).any()
+    assert np.isnan(exp2_poly_model(np.float32([np.nan]))).all()

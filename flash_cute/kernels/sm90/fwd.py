@@ -519,7 +519,7 @@ class FlashFwdSm90:
         tOrO = cute.make_rmem_tensor(mma_pv.get_slice(wg * WG_THREADS).partition_shape_C(
             (self.tile_m, self.d)), Float32)
         softmax = OnlineSoftmax(scale_log2, cute.size(acc_as_mn(tOrO), mode=[0]),
-                                self.cfg.lazy_rescale)
+                                self.cfg.lazy_rescale, self.cfg.poly_exp2)
         has_rows = True  # cfg.skip_empty_wg: a warpgroup past seqlen_q only keeps its place
         if const_expr(self.cfg.skip_empty_wg):
             has_rows = m_block * self.tile_m + wg * WG_ROWS < seq.seqlen_q
