@@ -79,8 +79,11 @@ class FwdSm90Config:
     # ragged key tail) computes that block's S, mask and softmax over those keys alone.
     half_edge: bool = True
     # Of every 8 probabilities of a thread's row, this many come from a cubic on the FMA
-    # pipe (softmax.exp2_poly) instead of MUFU.EX2: at d=64 a key block's exp2 keeps MUFU as
+    # pipe (softmax.exp2_poly) instead of MUFU.EX2: at d=64 a key block's exp2 keep MUFU as
     # busy as its two GEMMs keep the tensor cores (16 exp2 vs 4096 FLOP per clock and SM).
+    # Off: it lost at every share and d=64 cell (H100, session 41: -4..-7% with 1 of 8, up
+    # to -22% with 4), so the FMA / issue side is what binds there. Varlen and batched calls
+    # taking different tiles then differ in the last bits (different elements emulated).
     poly_exp2: int = 0
     # half_edge's P V too: tile_n / 2 deep for that block (a branch around its wgmma issue);
     # no effect without half_edge (halves_edge_pv).

@@ -60,6 +60,10 @@ EXPERIMENTS = ([("BFloat16", 64, True, fwd_overrides(64, True, p, dyn, narrow=Tr
                + [("BFloat16", 64, c, {**fwd_overrides(64, c, True, c, own_o=o),
                                        "pingpong": True})
                   for c in (False, True) for o in (False, True)]
+               # Session 41: exp2 partly on the FMA pipe (opt-in, measured slower), d=64's
+               # three-warpgroup static walk and its two-warpgroup short causal tile.
+               + [("BFloat16", 64, c, {**fwd_overrides(64, c, True, c, narrow=c),
+                                       "poly_exp2": 2}) for c in (False, True)]
                # Session 36: the static walk's split tail (non-causal, batched), in each head
                # dim's persistent configs (own_o where dispatch picks it).
                + [(dt, d, False, fwd_overrides(d, False, True, own_o=o, split=True))

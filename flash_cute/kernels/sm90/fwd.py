@@ -92,7 +92,10 @@ Per key block (intra-warpgroup overlap): issue S_next = Q K_next^T, then O += P_
 for S_next; mask and softmax it while P V runs; rescale O (``cfg.early_rescale``, d=256 and
 causal d=192: in the next block, under S_next, just before its P V; ``cfg.lazy_rescale``:
 skipped by a warp whose rows all kept their max). Masks only on the first
-block visited (ragged key tail, causal) and on blocks crossing the causal diagonal.
+block visited (ragged key tail, causal) and on blocks crossing the causal diagonal. A
+warpgroup that sees only the first half of that first block (``cfg.half_edge``: the causal
+diagonal under the first of two warpgroups, ragged tails of <= tile_n / 2 keys) computes its
+S, softmax and (``half_edge_pv``) P V over those keys alone.
 A warpgroup whose 64 rows all lie past seqlen_q (``cfg.skip_empty_wg``, the three-warpgroup
 d=64 tile) only waits on and releases each stage (pass_blocks) and then runs the epilogue,
 whose stores skip its rows.
