@@ -140,14 +140,12 @@ VARIANTS = {
     "ship_tn64_s3": lambda d, causal, s: ({**VARIANTS["ship"](d, causal, s), "tile_n": 64,
                                            "kv_stages": 3} if d <= 128 else None),
     # Session 41: the first (edge) key block over half its keys where a warpgroup sees no
-    # more (FwdSm90Config.half_edge: S, mask, softmax; half_edge_pv: P V too).
+    # more (FwdSm90Config.half_edge: S, mask, softmax; half_edge_pv: P V too; "ship" has both).
     "ship_whole": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "half_edge": False},
     "ship_half": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "half_edge": True,
                                        "half_edge_pv": False},
-    "ship_half_pv": lambda d, causal, s: {**VARIANTS["ship"](d, causal, s), "half_edge": True,
-                                          "half_edge_pv": True},
     # Session 41: a share of the probabilities from a cubic on the FMA pipe instead of
-    # MUFU.EX2 (FwdSm90Config.poly_exp2: this many of every 8), d=64 (MUFU-bound).
+    # MUFU.EX2 (FwdSm90Config.poly_exp2: this many of every 8), d=64: slower at every share.
     **{f"ship_poly{n}": (lambda d, causal, s, n=n: {**VARIANTS["ship"](d, causal, s),
                                                     "poly_exp2": n} if d == 64 else None)
        for n in (1, 2, 3, 4)},

@@ -78,6 +78,9 @@ class FwdSm90Config:
     # key block (the causal diagonal under the first warpgroup when tile_m == tile_n, a
     # ragged key tail) computes that block's S, mask and softmax over those keys alone.
     half_edge: bool = True
+    # half_edge's P V too: tile_n / 2 deep for that block (a branch around its wgmma issue);
+    # no effect without half_edge (halves_edge_pv).
+    half_edge_pv: bool = True
     # Of every 8 probabilities of a thread's row, this many come from a cubic on the FMA
     # pipe (softmax.exp2_poly) instead of MUFU.EX2: at d=64 a key block's exp2 keep MUFU as
     # busy as its two GEMMs keep the tensor cores (16 exp2 vs 4096 FLOP per clock and SM).
@@ -85,9 +88,6 @@ class FwdSm90Config:
     # to -22% with 4), so the FMA / issue side is what binds there. Varlen and batched calls
     # taking different tiles then differ in the last bits (different elements emulated).
     poly_exp2: int = 0
-    # half_edge's P V too: tile_n / 2 deep for that block (a branch around its wgmma issue);
-    # no effect without half_edge (halves_edge_pv).
-    half_edge_pv: bool = True
 
     def __post_init__(self):
         if self.pingpong and self.num_consumer_wg not in (2, 3):
@@ -165,11 +165,11 @@ LAZY_BATCHED_ONLY_HEAD_DIMS = (64,)
 # 663, 16k 685 / - / 696. d=96 lost 4-8% with Q in registers (524 vs 567 at 4k): d=128 only,
 # with OWN_O's 128-key blocks (176-key blocks spill with it).
 QREGS = {"q_in_regs": True}
+QREGS_HEAD_DIMS = (128,)
 # FwdSm90Config.half_edge_pv's branch around the P V wgmma issue made ptxas serialize the
 # wgmma (C7511: registers) in d=128's varlen non-causal walk; there the first block's P V
 # stays full depth over a zeroed half of P. (d=96 takes no half_edge: for_head_dim.)
 HALF_PV_OFF_VARLEN = ((128, False),)
-QREGS_HEAD_DIMS = (128,)
 PERSISTENT_FWD = {(64, False): {}, (64, True): LAZY, (96, False): {}, (96, True): {},
                   (128, False): {**PACKED, "tile_n": 176}, (128, True): PACKED,
                   (192, False): PACKED, (192, True): {**PACKED, **EARLY_RESCALE},

@@ -24,9 +24,8 @@ import torch
 from .config import (SUPPORTED_HEAD_DIMS, VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config,
                      fwd_config, fwd_l2_budget, fwd_overrides, fwd_own_o, fwd_tile_m,
                      heads_per_section, l2_sections, narrow_fwd, parse_config_spec,
-                     persistent_fwd_order,
-                     persistent_fwd_overrides, persistent_fwd_walk, split_tail_min_idle,
-                     split_tail_ctas)
+                     persistent_fwd_order, persistent_fwd_overrides, persistent_fwd_walk,
+                     split_tail_min_idle, split_tail_ctas)
 
 _TORCH_TO_CUTLASS = {torch.float16: "Float16", torch.bfloat16: "BFloat16"}
 DEFAULT_ARCH = "sm_90a"
