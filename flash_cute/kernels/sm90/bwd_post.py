@@ -295,7 +295,9 @@ class FlashBwdPostSm90:
             if b < batch:
                 acc, out = mAcc[b, None, head, None], mOut[b, None, head, None]
                 pos8 = [(bidx % groups * self.units + u) * OCTET for u in range(self.units)]
-                vals = [self.load_octet(acc, p, seqlen, tidx) for p in pos8]
+                # An octet past the end loads the last one again (in bounds; not stored).
+                last = (seqlen - 1) // OCTET * OCTET
+                vals = [self.load_octet(acc, cutlass.min(p, last), tidx) for p in pos8]
                 for p, x in zip(pos8, vals):
                     if p < seqlen:
                         self.store_octet(out, x, p, seqlen, seqlen, sT, tidx, scale)
@@ -313,6 +315,12 @@ class FlashBwdPostSm90:
                         sT: cute.Tensor, tidx, scale: Float32):
         """Rows pos8 .. pos8 + 7 of one head's dQ: mAcc (padded rows, d) in panel order ->
         mOut (rows, d), rows at or past ``rows`` not written, those at or past ``used`` 0."""
+        self.store_octet(mOut, self.load_octet(mAcc, pos8, tidx), pos8, rows, used, sT, tidx,
+                         scale)
+
+    @cute.jit
+    def load_octet(self, mAcc: cute.Tensor, pos8, tidx) -> cute.Tensor:
+        """This thread's column c * 8 + j of queries pos8 .. pos8 + 7 (one 32-byte run)."""
         tm, d = self.tile_m, self.d
         c, j = tidx // OCTET, tidx % OCTET
         q8 = pos8 % tm
@@ -320,49 +328,23 @@ class FlashBwdPostSm90:
         vals = cute.make_rmem_tensor((OCTET,), Float32)
         cute.autovec_copy(cute.local_tile(mAcc[o // d, None], (OCTET,), (o % d // OCTET,)),
                           vals)
-        for e in cutlass.range_constexpr(OCTET):
-            sT[c, e, j] = vals[e]
-        cute.arch.sync_warp()  # vector c's 8 threads are one warp quarter
-        acc = cute.make_rmem_tensor((VEC,), Float32)
-        cute.autovec_copy(sT[c, j, None], acc)
-        cute.arch.sync_warp()  # read before the next octet's writes (varlen)
-        pos = pos8 + j
-        if pos < rows:
-            if pos >= used:  # past seqused_q
-                acc.fill(0.0)
-            out = cute.make_rmem_tensor((VEC,), self.dtype)
-            out.store((acc.load() * scale).to(self.dtype))
-            cute.autovec_copy(out, cute.local_tile(mOut[pos, None], (VEC,), (c,)))
-
-    @cute.jit
-    def load_octet(self, mAcc: cute.Tensor, pos8, rows, tidx) -> cute.Tensor:
-        """transpose_octet's loads (units > 1): this thread's column of the 8 queries, or
-        zeros for an octet at or past ``rows``."""
-        tm, d = self.tile_m, self.d
-        c, j = tidx // OCTET, tidx % OCTET
-        vals = cute.make_rmem_tensor((OCTET,), Float32)
-        vals.fill(0.0)
-        if pos8 < rows:
-            q8 = pos8 % tm
-            o = (pos8 - q8) * d + panel_octet_offset(q8, c * OCTET + j, d)
-            cute.autovec_copy(cute.local_tile(mAcc[o // d, None], (OCTET,), (o % d // OCTET,)),
-                              vals)
         return vals
 
     @cute.jit
     def store_octet(self, mOut: cute.Tensor, vals: cute.Tensor, pos8, rows, used,
                     sT: cute.Tensor, tidx, scale: Float32):
-        """transpose_octet's transpose and stores (units > 1)."""
+        """The octet's 8 x 8 transpose through ``sT`` (thread (c, j) gets query j's vector c)
+        and its stores."""
         c, j = tidx // OCTET, tidx % OCTET
         for e in cutlass.range_constexpr(OCTET):
             sT[c, e, j] = vals[e]
         cute.arch.sync_warp()  # vector c's 8 threads are one warp quarter
         acc = cute.make_rmem_tensor((VEC,), Float32)
         cute.autovec_copy(sT[c, j, None], acc)
-        cute.arch.sync_warp()  # read before the next octet's writes
+        cute.arch.sync_warp()  # read before the next octet's writes (varlen, units)
         pos = pos8 + j
         if pos < rows:
-            if pos >= used:
+            if pos >= used:  # past seqused_q
                 acc.fill(0.0)
             out = cute.make_rmem_tensor((VEC,), self.dtype)
             out.store((acc.load() * scale).to(self.dtype))
