@@ -117,11 +117,10 @@ class FlashBwdPostSm90:
                                                self.tile_m, mOut.shape[1]), 1, 1]
         else:
             total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
-            if const_expr(self.dq_panels):  # a CTA per query octet (units: octets) and head
-                total = mOut.shape[0] * cute.ceil_div(cute.ceil_div(mOut.shape[1], OCTET),
-                                                      self.units) * mOut.shape[2] \
-                    * THREADS * self.units
             grid = [cute.ceil_div(total, THREADS * self.units), 1, 1]
+            if const_expr(self.dq_panels):  # a CTA per query octet (units: octets) and head
+                grid[0] = mOut.shape[0] * cute.ceil_div(cute.ceil_div(mOut.shape[1], OCTET),
+                                                        self.units) * mOut.shape[2]
         self.kernel(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
@@ -293,14 +292,14 @@ class FlashBwdPostSm90:
             head = bidx // groups % heads
             b = bidx // groups // heads
             if b < batch:
-                acc, out = mAcc[b, None, head, None], mOut[b, None, head, None]
+                mAccHead, mOutHead = mAcc[b, None, head, None], mOut[b, None, head, None]
                 pos8 = [(bidx % groups * self.units + u) * OCTET for u in range(self.units)]
                 # An octet past the end loads the last one again (in bounds; not stored).
                 last = (seqlen - 1) // OCTET * OCTET
-                vals = [self.load_octet(acc, cutlass.min(p, last), tidx) for p in pos8]
+                vals = [self.load_octet(mAccHead, cutlass.min(p, last), tidx) for p in pos8]
                 for p, x in zip(pos8, vals):
                     if p < seqlen:
-                        self.store_octet(out, x, p, seqlen, seqlen, sT, tidx, scale)
+                        self.store_octet(mOutHead, x, p, seqlen, seqlen, sT, tidx, scale)
         else:
             batch, seqlen, heads = mOut.shape[0], mOut.shape[1], mOut.shape[2]
             octets = cute.ceil_div(seqlen, OCTET)
