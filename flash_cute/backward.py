@@ -374,7 +374,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                  pdl=False, dq_swizzle=None, dq_panels=False, units=1):
+                  pdl=False, dq_swizzle=None, dq_panels=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -395,8 +395,7 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
         varlen_args = NO_VARLEN_Q
     if tile_m is None:
         tile_m = BwdSm90Config.for_head_dim(d).tile_m
-    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle, dq_panels,
-                                           units),
+    return compile_kernel(FlashBwdPostSm90(dt, d, varlen, tile_m, pdl, dq_swizzle, dq_panels),
                           (acc, out, cutlass.Float32(1.0), *varlen_args), keep_cubin)
 
 
@@ -528,15 +527,13 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
                                       deterministic=deterministic, varlen=varlen,
                                       persistent=persistent, **overrides))
-    units = cfg.post_units
-    post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, None, units),
-                lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl, units=units))
+    post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, None),
+                lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
     sw, panels = cfg.dq_swizzle, cfg.dq_panels
     post_dq = post if not varlen and sw is None and not panels else _get(
-        ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw, units)
-        + (("panels",) if panels else ()),
+        ("bwd_post", arch, dtype_name, d, varlen, tm, pdl, sw) + (("panels",) if panels else ()),
         lambda: _compile_post(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
-                              dq_swizzle=sw, dq_panels=panels, units=units))
+                              dq_swizzle=sw, dq_panels=panels))
     return pre, main, post_dq, post
 
 
@@ -554,14 +551,14 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
               persistent: bool = False, **cfg_overrides) -> bytes:
     """The cubin of one backward kernel ("pre", "main" or "post"), for SASS checks;
     ``cfg_overrides``: BwdSm90Config fields of the main kernel (experiments; pre / post
-    take its tile_m and pdl, post its post_units)."""
+    take its tile_m and pdl)."""
     tm, pdl = cfg_overrides.get("tile_m"), cfg_overrides.get("pdl", False)
     if kernel == "pre":
         compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen, tile_m=tm,
                                 pdl=pdl, swizzle_dq=cfg_overrides.get("swizzle_dq", False))
     elif kernel == "post":
         compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen,
-                                 tile_m=tm, pdl=pdl, units=cfg_overrides.get("post_units", 1))
+                                 tile_m=tm, pdl=pdl)
     else:
         compiled = _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=True,
                                  deterministic=deterministic, varlen=varlen,

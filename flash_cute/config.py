@@ -606,11 +606,6 @@ class BwdSm90Config:
     # d=64 / d=128 within +-1.5%). Batched only: the varlen step read 0.5-0.8% slower with it
     # in two runs (backward._compile_main).
     ds_before_dv: bool = False
-    # Experiment (session 42, untimed): bwd_post's work per thread with every load before any
-    # store (kernels/sm90/bwd_post.py ``units``): batched vectors per thread, panel octets per
-    # CTA, varlen passes per group. 1: the shipped kernel (FA4's postprocess ran 3-7 us
-    # faster in every grid cell, docs/performance.md session 42).
-    post_units: int = 1
     # dq_split "t" / "talt" (tile_m 80): sdQ, and so each dQaccum block (the bulk reduce copies
     # it byte for byte), d-major in 16-query panels, so the accumulator's query pairs are
     # adjacent and the dQ^T tile leaves by 8-byte stores (40 STS.64 per turn, was 80 scalar
@@ -751,8 +746,6 @@ class BwdSm90Config:
     def __post_init__(self):
         if self.dq_overlap and not (self.dq_turns and not self.wide):
             raise ValueError("dq_overlap: dq_split 'alt' / 'talt' of the narrow kernel only")
-        if self.post_units not in (1, 2, 4, 8):
-            raise ValueError(f"post_units must be 1, 2, 4 or 8, got {self.post_units}")
         if self.ds16 and self.ds_before_dv:
             raise ValueError("ds16 multiplies P^T's packed copy, ds_before_dv the fp32 P^T: "
                              "set ds_before_dv=False for ds16")

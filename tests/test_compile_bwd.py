@@ -281,30 +281,6 @@ def test_bwd_pre_post_compile(kernel, dtype, d, varlen, tmp_path, monkeypatch):
     assert ops.get("LDG", 0) > 0 and ops.get("STG", 0) > 0
 
 
-@pytest.mark.parametrize("layout", ["padded", "swizzled", "panels", "varlen"])
-def test_bwd_post_units(layout, tmp_path, monkeypatch):
-    """BwdSm90Config.post_units (experiment): bwd_post with 2 / 4 units per thread compiles
-    spill-free for every dQ accumulator order and issues every load of a unit group before
-    its first store (batched: all of them; varlen: per group of passes)."""
-    monkeypatch.chdir(tmp_path)
-    nvdisasm = sass_utils.nvdisasm_path()
-    kw = {"padded": {}, "swizzled": {"dq_swizzle": 2}, "panels": {"tile_m": 80,
-          "dq_panels": True}, "varlen": {"varlen": True}}[layout]
-    for units in (2, 4):
-        cubin = backward._compile_post(ARCH, "BFloat16", 128, keep_cubin=True, units=units,
-                                       **kw).__cubin__
-        ops = sass_opcodes(cubin, tmp_path)
-        assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, ops
-        sass = subprocess.run([nvdisasm, "-c", str(tmp_path / "k.cubin")], capture_output=True,
-                              text=True, check=True).stdout
-        order = "".join("L" if "LDG" in line else "S" for line in sass.splitlines()
-                        if "LDG" in line or "STG" in line)
-        if layout == "varlen":  # the tile's 8 passes: groups of `units`, 2 loads per vector
-            assert order.endswith(("L" * 2 * units + "S" * units) * (8 // units)), order
-        else:
-            assert order == "L" * 2 * units + "S" * units, order
-
-
 def check_ptxas(ptx_text, tmp_path, spill_free=True):
     """ptxas itself: no C7512 / C7514 (wgmma serialized) and, unless told otherwise, no spills.
     Returns ptxas's report."""

@@ -291,32 +291,6 @@ def test_talt_dqt_panels_bitwise(causal, hk, varlen, used, monkeypatch):
         assert torch.equal(a, b), f"dqt_panels: {name} differs from the talt tile's"
 
 
-@pytest.mark.skipif(ON_CPU, reason="compares two kernel configs")
-@pytest.mark.parametrize("d,s,hk,varlen", [(128, 1100, 4, False), (128, 300, 4, False),
-                                           (64, 700, 2, False), (128, 0, 2, True)],
-                         ids=["panels", "swizzled", "gqa64", "varlen"])
-def test_bwd_post_units_bitwise(d, s, hk, varlen, monkeypatch):
-    """BwdSm90Config.post_units (experiment): bwd_post with 2 / 4 units per thread, loads
-    first, writes the same gradients bit for bit, for each dQ accumulator order (the 80-row
-    tile's panels at >= 1k queries, swizzled rows below, padded varlen rows with seqused_q)
-    and for the GQA dK / dV sums."""
-    kw, packed = {}, None
-    if varlen:
-        lens = [1100, 0, 1, 333, 65]
-        q, k, v, *packed = varlen_inputs(lens, lens[::-1], 4, hk, d, seed=11)
-        kw = {"seqused_q": torch.tensor([1000, 0, 1, 170, 64], dtype=torch.int32,
-                                        device=DEVICE)}
-    else:
-        q, k, v = qkv_inputs(2, s, s + 37, 4, hk, d, seed=11)
-    dout = rand(*q.shape, seed=12)
-    args = (monkeypatch, q, k, v, dout, False, packed)
-    ref = config_grads("", *args, **kw)
-    for units in (2, 4):
-        got = config_grads(f"post_units={units}", *args, **kw)
-        for name, a, b in zip(("dq", "dk", "dv"), ref, got):
-            assert torch.equal(a, b), f"post_units={units}: {name} differs"
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_varlen_grads(d, causal):

@@ -40,12 +40,6 @@ threads).
 PDL (``pdl=True``, kernels/sm90/pdl.py): launched as a programmatic dependent of the kernel
 before it (the main kernel, or this one for the GQA sums), so every thread waits for that
 kernel's completion before reading the accumulators.
-
-``units`` (experiment, session 42; 1 = the shipped code): more work per thread, every load
-issued before any store (a store orders the loads after it, possible aliasing, so one
-unit's DRAM round trip would follow the other's): batched, ``units`` vectors per thread (a
-``units`` times smaller grid); batched panels, ``units`` octets per CTA; varlen, the tile's
-passes in groups of ``units``.
 """
 from typing import Optional
 
@@ -83,7 +77,7 @@ def panel_octet_offset(q8, col, d: int):
 class FlashBwdPostSm90:
     def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
                  pdl: bool = False, dq_swizzle: Optional[int] = None,
-                 dq_panels: bool = False, units: int = 1):
+                 dq_panels: bool = False):
         """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
         launched as the programmatic dependent of the kernel before it. ``dq_swizzle``: None, or
         the row shift of the accumulator's permuted column groups; ``dq_panels``: its blocks in
@@ -102,7 +96,6 @@ class FlashBwdPostSm90:
         self.pdl = pdl
         self.dq_swizzle = dq_swizzle
         self.dq_panels = dq_panels
-        self.units = units
 
     @cute.jit
     def __call__(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
@@ -117,10 +110,10 @@ class FlashBwdPostSm90:
                                                self.tile_m, mOut.shape[1]), 1, 1]
         else:
             total = mOut.shape[0] * mOut.shape[1] * mOut.shape[2] * vecs_per_row
-            grid = [cute.ceil_div(total, THREADS * self.units), 1, 1]
-            if const_expr(self.dq_panels):  # a CTA per query octet (units: octets) and head
-                grid[0] = mOut.shape[0] * cute.ceil_div(cute.ceil_div(mOut.shape[1], OCTET),
-                                                        self.units) * mOut.shape[2]
+            if const_expr(self.dq_panels):  # a CTA per query octet and head
+                total = mOut.shape[0] * cute.ceil_div(mOut.shape[1], OCTET) * mOut.shape[2] \
+                    * THREADS
+            grid = [cute.ceil_div(total, THREADS), 1, 1]
         self.kernel(mAcc, mOut, scale, mCuSeqlensQ, mSeqUsedQ).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
@@ -152,89 +145,24 @@ class FlashBwdPostSm90:
             seq = SeqlenInfo.from_lengths(batch, offset_q, seqlen_q, 0, 0,
                                           pad_tile_m=self.tile_m)
             vecs_per_row = self.d // VEC
-            if const_expr(self.units > 1):
-                self.varlen_units(mAcc, mOut, scale, seq, block, head, rows, tidx)
-            else:
-                for i in cutlass.range_constexpr(-(-self.tile_m * vecs_per_row // THREADS)):
-                    v = i * THREADS + tidx
-                    pos = block * self.tile_m + v // vecs_per_row
-                    col = v % vecs_per_row
-                    if v < self.tile_m * vecs_per_row and pos < rows:
-                        acc = cute.make_rmem_tensor((VEC,), Float32)
-                        acc.fill(0.0)
-                        if pos < seq.seqlen_q:  # past seqused_q: 0
-                            gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
-                                                   (VEC,), (self.src_col(col, pos),))
-                            cute.autovec_copy(gAcc, acc)
-                        out = cute.make_rmem_tensor((VEC,), self.dtype)
-                        out.store((acc.load() * scale).to(self.dtype))
-                        cute.autovec_copy(out, cute.local_tile(
-                            mOut[seq.offset_q + pos, head, None], (VEC,), (col,)))
-
-    @cute.jit
-    def varlen_units(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32,
-                     seq: SeqlenInfo, block, head, rows, tidx):
-        """kernel_varlen's tile with ``units`` > 1: its passes in groups, loads first."""
-        vecs_per_row = self.d // VEC
-        passes = -(-self.tile_m * vecs_per_row // THREADS)
-        for i0 in cutlass.range_constexpr(0, passes, self.units):
-            group = range(i0, min(i0 + self.units, passes))
-            accs = [cute.make_rmem_tensor((VEC,), Float32) for _ in group]
-            for i, acc in zip(group, accs):
+            for i in cutlass.range_constexpr(-(-self.tile_m * vecs_per_row // THREADS)):
                 v = i * THREADS + tidx
                 pos = block * self.tile_m + v // vecs_per_row
-                acc.fill(0.0)
-                if v < self.tile_m * vecs_per_row and pos < seq.seqlen_q:  # else 0
-                    cute.autovec_copy(cute.local_tile(
-                        mAcc[seq.offset_q_pad + pos, head, None], (VEC,),
-                        (self.src_col(v % vecs_per_row, pos),)), acc)
-            for i, acc in zip(group, accs):
-                v = i * THREADS + tidx
-                pos = block * self.tile_m + v // vecs_per_row
+                col = v % vecs_per_row
                 if v < self.tile_m * vecs_per_row and pos < rows:
+                    acc = cute.make_rmem_tensor((VEC,), Float32)
+                    acc.fill(0.0)
+                    if pos < seq.seqlen_q:  # past seqused_q: 0
+                        gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
+                                               (VEC,), (self.src_col(col, pos),))
+                        cute.autovec_copy(gAcc, acc)
                     out = cute.make_rmem_tensor((VEC,), self.dtype)
                     out.store((acc.load() * scale).to(self.dtype))
-                    cute.autovec_copy(out, cute.local_tile(
-                        mOut[seq.offset_q + pos, head, None], (VEC,), (v % vecs_per_row,)))
-
-    @cute.jit
-    def batched_units(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32):
-        """kernel_batched with ``units`` > 1: vectors THREADS apart, loads first."""
-        tidx = cute.arch.thread_idx()[0]
-        bidx = cute.arch.block_idx()[0]
-        batch, seqlen, heads_out = mOut.shape[0], mOut.shape[1], mOut.shape[2]
-        group = mAcc.shape[2] // heads_out
-        vecs_per_row = self.d // VEC
-        coords = []  # (b, pos, head, col) of each vector
-        for u in cutlass.range_constexpr(self.units):
-            v = (bidx * self.units + u) * THREADS + tidx
-            row = v // vecs_per_row // heads_out
-            coords.append((row // seqlen, row % seqlen, v // vecs_per_row % heads_out,
-                           v % vecs_per_row))
-        accs = [cute.make_rmem_tensor((VEC,), Float32) for _ in coords]
-        parts = [cute.make_rmem_tensor((VEC,), Float32) for _ in coords]
-        for acc in accs:
-            acc.fill(0.0)
-        for g in cutlass.range(group, unroll=1):
-            for part, (b, pos, head, col) in zip(parts, coords):
-                if b < batch:
-                    cute.autovec_copy(cute.local_tile(mAcc[b, pos, head * group + g, None],
-                                                      (VEC,), (self.src_col(col, pos),)), part)
-            for acc, part, (b, _, _, _) in zip(accs, parts, coords):
-                if b < batch:
-                    acc.store(acc.load() + part.load())
-        for acc, (b, pos, head, col) in zip(accs, coords):
-            if b < batch:
-                out = cute.make_rmem_tensor((VEC,), self.dtype)
-                out.store((acc.load() * scale).to(self.dtype))
-                cute.autovec_copy(out, cute.local_tile(mOut[b, pos, head, None], (VEC,),
-                                                       (col,)))
+                    cute.autovec_copy(out, cute.local_tile(mOut[seq.offset_q + pos, head, None],
+                                                           (VEC,), (col,)))
 
     @cute.jit
     def kernel_batched(self, mAcc: cute.Tensor, mOut: cute.Tensor, scale: Float32):
-        if const_expr(self.units > 1):
-            self.batched_units(mAcc, mOut, scale)
-            return
         tidx = cute.arch.thread_idx()[0]
         bidx = cute.arch.block_idx()[0]
         batch, seqlen, heads_out = mOut.shape[0], mOut.shape[1], mOut.shape[2]
@@ -285,21 +213,6 @@ class FlashBwdPostSm90:
                             cute.domain_offset((seq.offset_q_pad, 0), mAcc[None, head, None]),
                             cute.domain_offset((seq.offset_q, 0), mOut[None, head, None]),
                             pos8, rows, seq.seqlen_q, sT, tidx, scale)
-        elif const_expr(self.units > 1):
-            # units consecutive octets of one (batch, head) per CTA, all loaded first
-            batch, seqlen, heads = mOut.shape[0], mOut.shape[1], mOut.shape[2]
-            groups = cute.ceil_div(cute.ceil_div(seqlen, OCTET), self.units)
-            head = bidx // groups % heads
-            b = bidx // groups // heads
-            if b < batch:
-                mAccHead, mOutHead = mAcc[b, None, head, None], mOut[b, None, head, None]
-                pos8 = [(bidx % groups * self.units + u) * OCTET for u in range(self.units)]
-                # An octet past the end loads the last one again (in bounds; not stored).
-                last = (seqlen - 1) // OCTET * OCTET
-                vals = [self.load_octet(mAccHead, cutlass.min(p, last), tidx) for p in pos8]
-                for p, x in zip(pos8, vals):
-                    if p < seqlen:
-                        self.store_octet(mOutHead, x, p, seqlen, seqlen, sT, tidx, scale)
         else:
             batch, seqlen, heads = mOut.shape[0], mOut.shape[1], mOut.shape[2]
             octets = cute.ceil_div(seqlen, OCTET)
@@ -314,12 +227,6 @@ class FlashBwdPostSm90:
                         sT: cute.Tensor, tidx, scale: Float32):
         """Rows pos8 .. pos8 + 7 of one head's dQ: mAcc (padded rows, d) in panel order ->
         mOut (rows, d), rows at or past ``rows`` not written, those at or past ``used`` 0."""
-        self.store_octet(mOut, self.load_octet(mAcc, pos8, tidx), pos8, rows, used, sT, tidx,
-                         scale)
-
-    @cute.jit
-    def load_octet(self, mAcc: cute.Tensor, pos8, tidx) -> cute.Tensor:
-        """This thread's column c * 8 + j of queries pos8 .. pos8 + 7 (one 32-byte run)."""
         tm, d = self.tile_m, self.d
         c, j = tidx // OCTET, tidx % OCTET
         q8 = pos8 % tm
@@ -327,20 +234,12 @@ class FlashBwdPostSm90:
         vals = cute.make_rmem_tensor((OCTET,), Float32)
         cute.autovec_copy(cute.local_tile(mAcc[o // d, None], (OCTET,), (o % d // OCTET,)),
                           vals)
-        return vals
-
-    @cute.jit
-    def store_octet(self, mOut: cute.Tensor, vals: cute.Tensor, pos8, rows, used,
-                    sT: cute.Tensor, tidx, scale: Float32):
-        """The octet's 8 x 8 transpose through ``sT`` (thread (c, j) gets query j's vector c)
-        and its stores."""
-        c, j = tidx // OCTET, tidx % OCTET
         for e in cutlass.range_constexpr(OCTET):
             sT[c, e, j] = vals[e]
         cute.arch.sync_warp()  # vector c's 8 threads are one warp quarter
         acc = cute.make_rmem_tensor((VEC,), Float32)
         cute.autovec_copy(sT[c, j, None], acc)
-        cute.arch.sync_warp()  # read before the next octet's writes (varlen, units)
+        cute.arch.sync_warp()  # read before the next octet's writes (varlen)
         pos = pos8 + j
         if pos < rows:
             if pos >= used:  # past seqused_q
