@@ -56,8 +56,6 @@ def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, 
     """Name of the first option the forward kernels cannot run yet, or None."""
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p} (dropout is not implemented; pass 0.0)"
-    if tuple(window_size) != (-1, -1):
-        return f"window_size={tuple(window_size)} (sliding-window attention is not implemented yet)"
     if softcap != 0.0:
         return f"softcap={softcap} (softcapping is not implemented yet)"
     if alibi_slopes is not None:
@@ -74,6 +72,27 @@ def compile_cache_size() -> int:
 NO_VARLEN = (None,) * 4
 # split_tail's three arguments (tail_ctas, partials, flags) for every launch without a split.
 NO_SPLIT = (None,) * 3
+# A local kernel's (window_left, window_right) for every launch without a window.
+NO_WINDOW = (None,) * 2
+# An unbounded window side becomes a bound past every key; capped so that the kernels'
+# row + seqlen_k - seqlen_q + bound stays inside int32.
+WINDOW_BOUND_CAP = 1 << 29
+
+
+def window_bounds(window_size, causal: bool, seqlen_q: int, seqlen_k: int):
+    """(causal, window) for the kernels: FA2's window_size (left, right), -1 unbounded, with
+    causal meaning right = 0. window is None where no finite bound remains beyond causal's
+    (then the plain or causal kernel runs); else the local kernel's finite (left, right), an
+    unbounded side set past every key (seqlen_q + seqlen_k: varlen, the maxima)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return False, None
+    if left < 0 and right == 0:
+        return True, None
+    reach = min(seqlen_q + seqlen_k, WINDOW_BOUND_CAP)
+    return True, tuple(reach if w < 0 else min(w, reach) for w in (left, right))
 
 
 def _fake_args(dtype_name: str, d: int, varlen: bool = False):
@@ -109,7 +128,7 @@ def _fake_args(dtype_name: str, d: int, varlen: bool = False):
 
 
 def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
-                 keep_cubin: bool = False, **cfg_overrides):
+                 keep_cubin: bool = False, local: bool = False, **cfg_overrides):
     """Compile one forward variant as a TVM-FFI function: it takes torch tensors directly and
     launches on torch's current stream, with the argument checks done in C++ (the generic
     Python argument path of the DSL cost ~200 us per call, more than a short kernel)."""
@@ -120,11 +139,11 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
-    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen)
-    return compile_kernel(kernel, fwd_compile_args(dtype_name, cfg, varlen), keep_cubin)
+    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen, local)
+    return compile_kernel(kernel, fwd_compile_args(dtype_name, cfg, varlen, local), keep_cubin)
 
 
-def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool):
+def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool, local: bool = False):
     """The forward's arguments at compile time (fake tensors, runtime scalars), in the order
     of FlashFwdSm90.__call__ less its stream; a launch passes None exactly where these are None
     (tests/test_launch_args.py checks the launches against the compiles)."""
@@ -137,7 +156,9 @@ def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool):
     # Runtime values (config.l2_sections); varlen has no tail section (sections per sequence).
     sections = (cutlass.Int32(1), None if varlen else cutlass.Int32(1))
     split = _fake_split_args(cfg) if cfg.split_tail else NO_SPLIT
-    return (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter, *split)
+    window = (cutlass.Int32(0), cutlass.Int32(0)) if local else NO_WINDOW
+    return (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter, *split,
+            *window)
 
 
 def _split_slot_shape(cfg: FwdSm90Config):
@@ -188,16 +209,17 @@ def compile_kernel(fn, args, keep=False):
 
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                    persistent: bool = False, dynamic: bool = False, narrow: bool = False,
-                   own_o: bool = False, split: bool = False):
+                   own_o: bool = False, split: bool = False, local: bool = False):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
-    own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail."""
-    flags = kernel_flags(persistent, dynamic, narrow, own_o, split)
+    own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail; local: a sliding
+    window (causal kernels; window_bounds)."""
+    flags = kernel_flags(persistent, dynamic, narrow, own_o, split, local)
     env = fwd_env_overrides()
     key = ("fwd", arch, dtype_name, d, causal, varlen) + flags + env
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen,
+            _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, local=local,
                                        **{**kernel_overrides(d, causal, varlen, flags),
                                           **dict(env)})
         return _cache[key]
@@ -218,19 +240,22 @@ def fwd_env_overrides() -> tuple:
     return out
 
 
-def kernel_flags(persistent, dynamic, narrow, own_o, split) -> tuple:
+def kernel_flags(persistent, dynamic, narrow, own_o, split, local=False) -> tuple:
     """get_fwd_kernel's flags that are on, in its key's order (own_o: persistent only)."""
     return ((("persistent",) if persistent else ()) + (("dynamic",) if dynamic else ())
             + (("narrow",) if narrow else ()) + (("own_o",) if own_o and persistent else ())
-            + (("split",) if split else ()))
+            + (("split",) if split else ()) + (("local",) if local else ()))
 
 
 def kernel_overrides(d: int, causal: bool, varlen: bool, flags: tuple) -> dict:
     """The FwdSm90Config overrides of the kernel with these kernel_flags."""
     on = {f: True for f in flags}
-    return fwd_overrides(d, causal, on.get("persistent", False), on.get("dynamic", False),
-                         on.get("narrow", False), on.get("own_o", False), varlen,
-                         on.get("split", False))
+    out = fwd_overrides(d, causal, on.get("persistent", False), on.get("dynamic", False),
+                        on.get("narrow", False), on.get("own_o", False), varlen,
+                        on.get("split", False))
+    if on.get("local"):  # half_edge reads the causal diagonal's place, not the window's
+        out["half_edge"] = False
+    return out
 
 
 def fwd_variants(varlen: bool = False):
@@ -357,9 +382,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     if cu_seqlens_q is not None:
         return _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                            max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
-                           causal=causal)
+                           causal=causal, window_size=window_size)
     b, sq, h, d = q.shape
     sk = k.shape[1]
+    causal, window = window_bounds(window_size, causal, sq, sk)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
@@ -372,7 +398,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     plan = fwd_plan(d, bool(causal), b * h, sq, sk, q.device)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                             persistent=plan.ctas is not None, dynamic=plan.dynamic,
-                            narrow=plan.narrow, own_o=plan.own_o, split=plan.split)
+                            narrow=plan.narrow, own_o=plan.own_o, split=plan.split,
+                            local=window is not None)
     num_tiles = -(-sq // plan.tile_m) * b * h
     sections = l2_sections(sk, d, q.element_size(), b * h, num_tiles // (b * h),
                            plan.ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
@@ -382,7 +409,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         split = (plan.tail, *split_workspace(q.device, cfg, min(plan.ctas, num_tiles)))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            *sections, *NO_VARLEN, plan.ctas, tile_counter(q.device) if plan.dynamic else None,
-           *split)
+           *split, *(window or NO_WINDOW))
     return out, lse
 
 
@@ -473,7 +500,7 @@ def tile_counter(device):
 
 
 def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                max_seqlen_k, *, softmax_scale, causal):
+                max_seqlen_k, *, softmax_scale, causal, window_size=(-1, -1)):
     """Packed sequences: q (total_q, h, d), k/v (total_k, hk, d) -> out, lse (h, total_q).
 
     Rows of a sequence past seqused_q are not written by the kernel (FlashAttention leaves them
@@ -492,11 +519,12 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     if total_q == 0 or k.shape[0] == 0:  # nothing to compute, or no keys anywhere (a TMA
         return out, lse                  # descriptor needs a non-empty K): out 0, lse -inf
     arch = _device_arch(q.device)
+    causal, window = window_bounds(window_size, causal, max_seqlen_q, max_seqlen_k)
     walks = _varlen_persistent_ctas(q.device, d, causal, total_q, batch, h)
     ctas, dynamic = walks or (None, False)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal), varlen=True,
                             persistent=ctas is not None, dynamic=dynamic,
-                            own_o=fwd_own_o(d, causal, max_seqlen_k))
+                            own_o=fwd_own_o(d, causal, max_seqlen_k), local=window is not None)
     # cu_seqlens[b + 1] >= cu_seqlens[b + 1] - cu_seqlens[b]: as seqused it changes nothing.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
@@ -506,7 +534,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
                                 fwd_l2_budget(causal))
     kernel(q.detach(), k.detach(), v.detach(), out, lse, softmax_scale * math.log2(math.e),
            section, None, cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
-           tile_counter(q.device) if dynamic else None, *NO_SPLIT)
+           tile_counter(q.device) if dynamic else None, *NO_SPLIT, *(window or NO_WINDOW))
     return out, lse
 
 

@@ -89,20 +89,20 @@ def qkv_inputs(b, sq, sk, h, hk, d, dtype=BF16, seed=0, scale=1.0):
             rand(b, sk, hk, d, dtype=dtype, seed=seed + 2, scale=scale))
 
 
-def run_and_check(q, k, v, *, causal=False, softmax_scale=None):
+def run_and_check(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
     """flash_cute vs the oracle: out and lse, finite outputs, inputs left untouched."""
     before = [t.clone() for t in (q, k, v)]
     poison_allocator()
     out, lse, probs = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                      return_attn_probs=True)
+                                      window_size=window_size, return_attn_probs=True)
     b, sq, h, _ = q.shape
     assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
     assert probs is None
     assert torch.isfinite(out).all(), "out has non-finite values (unwritten or overflowed)"
-    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    low, low_lse = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                 upcast=False)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    ref, ref_lse = attention_ref(q, k, v, **kw)
+    low, low_lse = attention_ref(q, k, v, upcast=False, **kw)
     check_close(out, ref, low, name="out")
     check_close(lse, ref_lse, low_lse, name="lse")
     for name, t, t0 in zip("qkv", (q, k, v), before):

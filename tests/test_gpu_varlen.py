@@ -28,17 +28,19 @@ pytestmark = gpu_module_marks()
 
 
 def varlen_run_and_check(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, seqused_q=None,
-                         seqused_k=None, oracle_qkv=None):
+                         seqused_k=None, oracle_qkv=None, window_size=(-1, -1)):
     """flash_attn_varlen_func vs the oracle (out and lse) on poisoned output memory.
     oracle_qkv: the inputs the oracle sees, when unused rows of q/k/v hold NaN on purpose."""
     used = dict(seqused_q=seqused_q, seqused_k=seqused_k)
     poison_allocator()
     out, lse, probs = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
-                                             return_attn_probs=True, **used)
+                                             window_size=window_size, return_attn_probs=True,
+                                             **used)
     assert out.shape == q.shape and out.dtype == q.dtype and probs is None
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
     assert torch.isfinite(out).all(), "out has non-finite values (rows left unwritten?)"
-    kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **used)
+    kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=window_size,
+              **used)
     qkv = oracle_qkv or (q, k, v)
     ref, ref_lse = attention_ref(*qkv, **kw)
     low, low_lse = attention_ref(*qkv, upcast=False, **kw)

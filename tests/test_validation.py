@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flash_cute
-from flash_cute import interface, validation
+from flash_cute import dispatch, interface, validation
 from flash_cute.validation import validate_fwd
 
 BF16 = torch.bfloat16
@@ -317,7 +317,6 @@ def test_flags(on_cpu):
 
 @pytest.mark.parametrize("kw, name", [
     (dict(dropout_p=0.1), "dropout_p=0.1"),
-    (dict(window_size=(4, 0)), r"window_size=\(4, 0\)"),
     (dict(softcap=30.0), "softcap=30.0"),
     (dict(alibi_slopes=torch.zeros(4)), "alibi_slopes"),
 ])
@@ -328,8 +327,35 @@ def test_unsupported_options_named(kw, name, on_cpu):
 
 def test_varlen_unsupported_options_named(on_cpu):
     (q, k, v), cu = varlen_args()
-    with pytest.raises(NotImplementedError, match=r"unsupported option window_size=\(4, 0\)"):
-        flash_cute.flash_attn_varlen_func(q, k, v, **cu, window_size=(4, 0))
+    with pytest.raises(NotImplementedError, match="unsupported option softcap=30.0"):
+        flash_cute.flash_attn_varlen_func(q, k, v, **cu, softcap=30.0)
+
+
+def test_window_with_gradients_refused(on_cpu, monkeypatch):
+    """A sliding window runs in the forward kernels only: inputs that require grad, or the
+    custom-op path (torch.compile), are refused before any launch."""
+    q, k, v = (x.requires_grad_() for x in batched())
+    with pytest.raises(NotImplementedError, match=r"window_size=\(4, 0\) with inputs that "
+                                                  r"require grad"):
+        flash_cute.flash_attn_func(q, k, v, window_size=(4, 0))
+    (q, k, v), cu = varlen_args()
+    k.requires_grad_()
+    with pytest.raises(NotImplementedError, match="require grad"):
+        flash_cute.flash_attn_varlen_func(q, k, v, **cu, window_size=(0, 4))
+    monkeypatch.setattr(interface, "use_custom_ops", lambda: True)
+    with pytest.raises(NotImplementedError, match="custom ops take no window"):
+        flash_cute.flash_attn_func(*batched(), window_size=(4, 0))
+
+
+@pytest.mark.parametrize("window,causal,expected", [
+    ((-1, -1), False, (False, None)), ((-1, -1), True, (True, None)),
+    ((-1, 0), False, (True, None)), ((7, -1), True, (True, (7, 0))),
+    ((7, -1), False, (True, (7, 300))), ((-1, 5), False, (True, (300, 5))),
+    ((10**9, 3), False, (True, (300, 3))), ((0, 0), False, (True, (0, 0)))])
+def test_window_bounds(window, causal, expected):
+    """FA2's window_size as the kernels take it: causal sets right = 0; no finite bound left
+    means the plain or causal kernel; an unbounded side reaches past every key."""
+    assert dispatch.window_bounds(window, causal, 100, 200) == expected
 
 
 def test_validation_runs_before_support_check(on_cpu):

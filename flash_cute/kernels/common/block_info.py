@@ -3,22 +3,46 @@ import cutlass
 from cutlass import Int32
 
 
+# Sliding window (left, right), FA2's rule: query i sees key j iff
+# i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right. Causal is right = 0;
+# the kernels take an unbounded side as a bound past every key (dispatch.window_bounds).
 def n_block_max(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32, seqlen_k: Int32,
-                causal: bool) -> Int32:
+                causal: bool, window_right=None) -> Int32:
     """One past the last key block the tile sees; at least 1, so fully masked rows still get
-    a (fully masked) block and come out as 0 with LSE -inf."""
+    a (fully masked) block and come out as 0 with LSE -inf. ``window_right`` (a local
+    kernel's runtime bound) moves the causal diagonal right by that many keys."""
     n_max = (seqlen_k + tile_n - 1) // tile_n
     if causal:
         last_col = (m_block + 1) * tile_m + seqlen_k - seqlen_q  # one past the last visible key
+        if window_right is not None:
+            last_col += window_right
         n_max = cutlass.min(n_max, cutlass.max(last_col + tile_n - 1, 0) // tile_n)
     return cutlass.max(n_max, 1)
 
 
 def n_block_min_causal_mask(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
-                            seqlen_k: Int32) -> Int32:
-    """Key blocks at or after this index cross the causal diagonal for some row of the tile."""
+                            seqlen_k: Int32, window_right=None) -> Int32:
+    """Key blocks at or after this index cross the causal diagonal (moved right by
+    ``window_right``) for some row of the tile."""
     first_row_end = m_block * tile_m + 1 + seqlen_k - seqlen_q  # keys visible to the first row
+    if window_right is not None:
+        first_row_end += window_right
     return cutlass.max(first_row_end, 0) // tile_n
+
+
+def n_block_min_window(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
+                       seqlen_k: Int32, window_left: Int32) -> Int32:
+    """The first key block some row of the tile sees through its window's left edge."""
+    first_key = m_block * tile_m + seqlen_k - seqlen_q - window_left  # the first row's
+    return cutlass.max(first_key, 0) // tile_n
+
+
+def n_block_left_unmasked(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
+                          seqlen_k: Int32, window_left: Int32) -> Int32:
+    """Key blocks below this index cross the window's left edge for some row of the tile
+    (the last row's edge is the rightmost)."""
+    last_first_key = (m_block + 1) * tile_m - 1 + seqlen_k - seqlen_q - window_left
+    return cutlass.max(last_first_key + tile_n - 1, 0) // tile_n
 
 
 # Backward (one key block per CTA, looping over query blocks): the same causal rule seen from

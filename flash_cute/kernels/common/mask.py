@@ -13,8 +13,11 @@ from .layout import acc_as_mn
 @cute.jit
 def apply_mask(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_block: Int32,
                n_block: Int32, tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
-               seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr[bool]):
-    """Set masked scores to -inf.
+               seqlen_q: Int32, seqlen_k: Int32, causal: cutlass.Constexpr[bool],
+               window=None):
+    """Set masked scores to -inf. ``window``: a local kernel's (left, right) bounds (runtime,
+    both finite; causal must be set): keys left of i + seqlen_k - seqlen_q - left are masked
+    too, and the diagonal moves right by ``right``.
 
     ``tScS`` holds this thread's (row, col) tile coordinates and ``t0ScS`` thread 0's. A thread's
     coordinates are thread 0's shifted by a fixed offset, so comparing the compile-time ``t0ScS``
@@ -30,10 +33,19 @@ def apply_mask(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_bloc
         limit = col_limit
         if const_expr(causal):
             row = m_block * tile_m + row0 + c0_mn[r, 0][0]
-            limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q - n_block * tile_n - col0)
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            # A select per element; an `if` here makes the compiler move whole fragments.
-            s_mn[r, c] = s_mn[r, c] if c0_mn[r, c][1] < limit else -Float32.inf
+            diag = row + 1 + seqlen_k - seqlen_q - n_block * tile_n - col0
+            if const_expr(window is not None):
+                diag += window[1]
+            limit = cutlass.min(limit, diag)
+        if const_expr(window is None):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                # A select per element; an `if` here makes the compiler move whole fragments.
+                s_mn[r, c] = s_mn[r, c] if c0_mn[r, c][1] < limit else -Float32.inf
+        else:
+            low = row + seqlen_k - seqlen_q - window[0] - n_block * tile_n - col0
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                col = c0_mn[r, c][1]
+                s_mn[r, c] = s_mn[r, c] if col < limit and col >= low else -Float32.inf
 
 
 @cute.jit

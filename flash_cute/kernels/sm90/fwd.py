@@ -169,11 +169,18 @@ class SplitPiece(NamedTuple):
 
 
 class FlashFwdSm90:
-    def __init__(self, dtype, cfg: FwdSm90Config, causal: bool, varlen: bool = False):
+    def __init__(self, dtype, cfg: FwdSm90Config, causal: bool, varlen: bool = False,
+                 local: bool = False):
+        """``local``: sliding-window attention, a causal kernel whose diagonal and left edge
+        come from the runtime window_left / window_right (block_info); its tiles are walked
+        as causal ones are."""
         self.dtype = dtype
         self.cfg = cfg
         self.causal = causal
         self.varlen = varlen
+        self.local = local
+        if local and (not causal or cfg.halves_edge or cfg.split_tail):
+            raise ValueError("local: a causal kernel without half_edge or split_tail")
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.num_wg = cfg.num_consumer_wg
         if self.num_wg not in REGISTER_SPLIT:
@@ -197,7 +204,8 @@ class FlashFwdSm90:
                  mSeqUsedK: Optional[cute.Tensor],
                  max_ctas: Optional[Int32], mTileCounter: Optional[cute.Tensor],
                  tail_ctas: Optional[Int32], mPartial: Optional[cute.Tensor],
-                 mTileFlags: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mTileFlags: Optional[cute.Tensor], window_left: Optional[Int32],
+                 window_right: Optional[Int32], stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
@@ -209,7 +217,9 @@ class FlashFwdSm90:
         tail_ctas, mPartial, mTileFlags: cfg.split_tail only (else None): the CTAs that share
         the last round's key blocks (0: none do), one slot of fp32 partials per CTA (ctas,
         d / 2 + 4, 128n) and one int32 flag per tail tile, zero at launch and zeroed again by
-        the tile's combiner (dispatch.split_workspace)."""
+        the tile's combiner (dispatch.split_workspace).
+        window_left, window_right: local only (else None), the window's finite bounds
+        (block_info)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -254,7 +264,8 @@ class FlashFwdSm90:
         self.kernel(tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, tma_q, tma_k, tma_v, tma_o,
                     scale_log2, heads_per_section, tail_section, sQ_layout, sK_layout,
                     sV_layout, mma_qk, mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-                    mTileCounter, tail_ctas, mPartial, mTileFlags).launch(
+                    mTileCounter, tail_ctas, mPartial, mTileFlags, window_left,
+                    window_right).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def make_mma_qk(self, cols: int) -> cute.TiledMma:
@@ -300,7 +311,9 @@ class FlashFwdSm90:
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                mTileCounter: Optional[cute.Tensor], tail_ctas: Optional[Int32],
-               mPartial: Optional[cute.Tensor], mTileFlags: Optional[cute.Tensor]):
+               mPartial: Optional[cute.Tensor], mTileFlags: Optional[cute.Tensor],
+               window_left: Optional[Int32], window_right: Optional[Int32]):
+        self.window = (window_left, window_right) if const_expr(self.local) else None
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -340,7 +353,11 @@ class FlashFwdSm90:
         seqlen = partial(SeqlenInfo.create, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
                          mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
         n_block_max = lambda m_block, seq: block_info.n_block_max(  # noqa: E731
-            m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal)
+            m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal,
+            window_right)
+        n_block_min = lambda m_block, seq, n_max: self.n_block_min(  # noqa: E731
+            m_block, seq, n_max, window_left)
+
         kv_head = lambda head: head // (nheads // mK.shape[2])  # noqa: E731
         if const_expr(not self.cfg.persistent):
             has_rows = True
@@ -360,13 +377,15 @@ class FlashFwdSm90:
                         self.load(seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
                                   seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k,
                                   tma_v, pipe_q, pipe_k, pipe_v, m_block, n_max,
-                                  *self.pipeline_states(pipeline.PipelineUserType.Producer))
+                                  *self.pipeline_states(pipeline.PipelineUserType.Producer),
+                                  n_block_min(m_block, seq, n_max))
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     self.first_turn()
                     self.consume(mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k,
                                  pipe_v, scale_log2, m_block, head, batch, n_max, seq,
-                                 *self.pipeline_states(pipeline.PipelineUserType.Consumer))
+                                 *self.pipeline_states(pipeline.PipelineUserType.Consumer),
+                                 n_lo=n_block_min(m_block, seq, n_max))
         else:
             # Persistent: the load warp and the consumers walk the same tiles, each carrying its
             # pipeline states from one tile to the next. Varlen: the tiles that exist are
@@ -401,10 +420,12 @@ class FlashFwdSm90:
                         while tile < count():
                             m_block, head, batch = coords(tile)
                             seq, head_kv = seqlen(batch), kv_head(head)
+                            n_max = n_block_max(m_block, seq)
                             q, kv = self.load(
                                 seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
                                 seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k, tma_v,
-                                pipe_q, pipe_k, pipe_v, m_block, n_block_max(m_block, seq), q, kv)
+                                pipe_q, pipe_k, pipe_v, m_block, n_max, q, kv,
+                                n_block_min(m_block, seq, n_max))
                             if const_expr(self.cfg.dynamic):
                                 # Claimed once this tile's loads are issued: the last V load
                                 # waited for a free stage, so the consumers are a block or two from
@@ -442,13 +463,24 @@ class FlashFwdSm90:
                     while tile < num_tiles:
                         m_block, head, batch = coords(tile)
                         seq = seqlen(batch)
+                        n_max = n_block_max(m_block, seq)
                         q, kv = self.consume(
                             mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k, pipe_v,
-                            scale_log2, m_block, head, batch, n_block_max(m_block, seq), seq, q, kv)
+                            scale_log2, m_block, head, batch, n_max, seq, q, kv,
+                            n_lo=n_block_min(m_block, seq, n_max))
                         if const_expr(self.cfg.dynamic):
                             tile, claimed = scheduler.receive_tile(pipe_tile, claimed, sTile)
                         else:
                             tile = scheduler.next_tile(tile)
+
+    def n_block_min(self, m_block: Int32, seq: SeqlenInfo, n_max: Int32,
+                    window_left: Optional[Int32]):
+        """The tile's first key block: 0, or (local) the window's first (< n_max, so a tile
+        whose window holds no key still walks one masked block)."""
+        if const_expr(not self.local):
+            return 0
+        return cutlass.min(n_max - 1, block_info.n_block_min_window(
+            m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, window_left))
 
     @cute.jit
     def split_walk(self, num_tiles: Int32, tail_ctas: Int32, mK: cute.Tensor):
@@ -509,10 +541,11 @@ class FlashFwdSm90:
                 mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                 sO: cute.Tensor, tma_o: Optional[cute.CopyAtom], pipe_q, pipe_k, pipe_v,
                 scale_log2: Float32, m_block: Int32, head: Int32, batch: Int32, n_max: Int32,
-                seq: SeqlenInfo, q, kv, piece=None):
+                seq: SeqlenInfo, q, kv, piece=None, n_lo=0):
         """Consumer warpgroups: the attention main loop, then the epilogue. q, kv: the states
         of the tile's first Q and K/V stages; returns those of the next tile. ``piece``
-        (cfg.split_tail): a SplitPiece, its blocks handed over or merged (below)."""
+        (cfg.split_tail): a SplitPiece, its blocks handed over or merged (below); ``n_lo``
+        (local): the tile's first key block."""
         tidx = cute.arch.thread_idx()[0] - WG_THREADS
         if const_expr(self.varlen and self.cfg.skip_empty_wg and self.cfg.persistent):
             # Read afresh per tile: with the skip's branch the hoisted index stayed live across
@@ -526,7 +559,8 @@ class FlashFwdSm90:
         has_rows = True  # cfg.skip_empty_wg: a warpgroup past seqlen_q only keeps its place
         if const_expr(self.cfg.skip_empty_wg):
             has_rows = m_block * self.tile_m + wg * WG_ROWS < seq.seqlen_q
-        n_lo = 0 if const_expr(piece is None) else piece.n_lo
+        if const_expr(piece is not None):
+            n_lo = piece.n_lo
         if has_rows:
             kv = self.mainloop(mma_qk, mma_pv, tOrO, softmax, sQ, sK, sV, pipe_q, pipe_k,
                                pipe_v, m_block, n_max, seq, wg, tidx, q, kv, n_lo)
@@ -578,7 +612,7 @@ class FlashFwdSm90:
         t0ScS = mma_qk.get_slice(0).partition_C(cS)
         mask = lambda n_block: apply_mask(  # noqa: E731
             tSrS, tScS, t0ScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
-            self.causal)
+            self.causal, self.window)
 
         # First block (the last key block): always masked, no P V yet.
         pipe_q.consumer_wait(q)
@@ -612,20 +646,34 @@ class FlashFwdSm90:
         if const_expr(self.cfg.early_rescale):
             o_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
             o_scale.fill(1.0)
-        # Blocks crossing the causal diagonal, then blocks that need no mask.
+        # Blocks crossing the causal diagonal, then blocks that need no mask (local: then
+        # the blocks crossing the window's left edge).
         n_unmasked_end = n_max - 1
         if const_expr(self.causal):
             n_unmasked_end = cutlass.min(
                 n_max - 1, block_info.n_block_min_causal_mask(
-                    m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k))
+                    m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                    None if const_expr(self.window is None) else self.window[1]))
+            if const_expr(self.local):  # no block is walked twice
+                n_unmasked_end = cutlass.max(n_unmasked_end, n_lo)
             for i in cutlass.range(n_max - 1 - n_unmasked_end, unroll=1):
                 kv = self.mma_block(n_max - 2 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ,
                                     tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, mask,
                                     half_pv)
-        for i in cutlass.range(n_unmasked_end - n_lo, unroll=1):
+        n_left_end = n_lo  # local: blocks below it cross the window's left edge
+        if const_expr(self.local):
+            n_left_end = cutlass.max(n_lo, cutlass.min(n_unmasked_end, (
+                block_info.n_block_left_unmasked(m_block, self.tile_m, self.tile_n, seqlen_q,
+                                                 seqlen_k, self.window[0]))))
+        for i in cutlass.range(n_unmasked_end - n_left_end, unroll=1):
             kv = self.mma_block(n_unmasked_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
                                 tSrQ, tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, None,
                                 half_pv)
+        if const_expr(self.local):
+            for i in cutlass.range(n_left_end - n_lo, unroll=1):
+                kv = self.mma_block(n_left_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
+                                    tSrQ, tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg,
+                                    mask, half_pv)
 
         if const_expr(self.cfg.own_o and not self.cfg.q_in_regs):
             pipe_q.consumer_release(q)  # every QK^T of the tile has completed
@@ -682,7 +730,7 @@ class FlashFwdSm90:
         cS = cute.make_identity_tensor((self.tile_m, cols))
         apply_mask(tSrS, mma_qk.get_slice(tidx).partition_C(cS),
                    mma_qk.get_slice(0).partition_C(cS), m_block, n_max - 1, self.tile_m,
-                   self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal)
+                   self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal, self.window)
         softmax.step(tSrS, is_first=True)
         self.convert_p(tOrP, tSrS)
 

@@ -1,0 +1,74 @@
+"""Sliding-window (local) forward: flash_cute against FA4's window_size, interleaved in one
+process, TFLOP/s over the pairs a window lets through (4 * d FLOPs per visible query-key pair).
+
+    python bench/window_bench.py [--d 64 128] [--s 4096 16384] [--rounds 3]
+
+bf16, 16k tokens per call (batch = 16384 / s), 2048 / d heads, as the grid's cells. Each cell
+first compares the two outputs (max |difference|, a sanity check; the GPU tests hold the
+oracle comparison), then times them in turn, median of ``rounds`` medians.
+"""
+import argparse
+import statistics
+
+import torch
+
+from check_fwd import timeit  # bench/ is on sys.path when run as a script
+from flash_cute import dispatch
+
+WINDOWS = [((256, 0), False), ((1024, 0), False), ((4096, 0), False), ((512, 512), False),
+           ((2048, -1), True)]
+
+
+def visible_pairs(sq: int, sk: int, window, causal: bool) -> int:
+    """Query-key pairs the window lets through (FA2's bottom-right rule)."""
+    left, right = window
+    right = 0 if causal else right
+    i = torch.arange(sq, dtype=torch.int64)
+    hi = (i + sk - sq + (sk if right < 0 else right)).clamp(max=sk - 1)
+    lo = (i + sk - sq - (sk + sq if left < 0 else left)).clamp(min=0)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--s", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError:
+        fa4 = None
+    for d in a.d:
+        for s in a.s:
+            b, h = 16384 // s, 2048 // d
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            for window, causal in WINDOWS:
+                flops = 4 * d * b * h * visible_pairs(s, s, window, causal)
+                fns = {"flash_cute": lambda: dispatch.fwd(
+                    q, k, v, softmax_scale=d ** -0.5, causal=causal, window_size=window)}
+                if fa4 is not None:
+                    fa_window = tuple(None if w < 0 else w for w in window)
+                    fns["fa4"] = lambda: fa4(q, k, v, causal=causal, window_size=fa_window)[0]
+                outs = {"flash_cute": fns["flash_cute"]()[0]}
+                if "fa4" in fns:
+                    try:
+                        outs["fa4"] = fns["fa4"]()
+                    except Exception as e:  # noqa: BLE001 (a peer's refusal ends only its cell)
+                        print(f"fa4 window={window}: {type(e).__name__}: {e}"[:200])
+                        del fns["fa4"]
+                diff = ((outs["flash_cute"].float() - outs["fa4"].float()).abs().max().item()
+                        if "fa4" in outs else float("nan"))
+                times = {n: [] for n in fns}
+                for _ in range(a.rounds):
+                    for n, f in fns.items():
+                        times[n].append(timeit(f))
+                cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}"
+                                  for n, t in times.items())
+                print(f"d={d} s={s} window={window}{' causal' if causal else ''}: {cells} "
+                      f"TFLOP/s (max |fc - fa4| {diff:.2e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
