@@ -274,8 +274,8 @@ _SWEEP_SMS = (132, 114, 78)
 
 def shipped_fwd_kernels():
     """(head_dim, causal, varlen, kernel_flags) of every forward kernel that fwd_plan and the
-    varlen launch pick over a sweep of shapes: what a warm JIT cache needs (the environment's
-    overrides apply, as they do to the calls)."""
+    varlen launch pick over a sweep of shapes, with and without a sliding window: what a
+    warm JIT cache needs (the environment's overrides apply, as they do to the calls)."""
     kernels = set()
     for d, causal in itertools.product(SUPPORTED_HEAD_DIMS, (False, True)):
         for sms, hb, sq, sk in itertools.product(_SWEEP_SMS, _SWEEP_PAIRS, _SWEEP_SEQLENS,
@@ -288,6 +288,8 @@ def shipped_fwd_kernels():
                              or (None, False))
             kernels.add((d, causal, True, kernel_flags(ctas is not None, dynamic, False,
                                                        fwd_own_o(d, causal, max_k), False)))
+    # A sliding window plans as causal (window_bounds) and runs the local twin of that kernel.
+    kernels |= {(d, c, v, flags + ("local",)) for d, c, v, flags in kernels if c}
     return sorted(kernels)
 
 

@@ -144,8 +144,44 @@ def test_every_shipped_kernel_is_compiled_here():
     here |= {_config(d, c, True, fwd_overrides(d, c, persistent=True, dynamic=c, own_o=o,
                                                varlen=True)) for d, c, o in PERSISTENT_VARLEN}
     for d, causal, varlen, flags in dispatch.shipped_fwd_kernels():
+        if "local" in flags:  # test_fwd_local_variant_compiles builds each of them
+            continue
         overrides = dispatch.kernel_overrides(d, causal, varlen, flags)
         assert _config(d, causal, varlen, overrides) in here, (d, causal, varlen, flags)
+
+
+LOCAL = [k for k in dispatch.shipped_fwd_kernels() if "local" in k[3]]
+
+
+@pytest.mark.parametrize("d,causal,varlen,flags", LOCAL, ids=lambda v: str(v))
+def test_fwd_local_variant_compiles(d, causal, varlen, flags, tmp_path, monkeypatch):
+    """Every sliding-window kernel the calls pick (the local twin of each causal kernel):
+    the tensor-core path, no spills, wgmma not serialized, TMA loads; the window's edge
+    blocks add a masked loop, so at least as many HGMMA as the causal twin without
+    half_edge (which adds its own half-width QK^T)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = dispatch.kernel_overrides(d, causal, varlen, flags)
+    assert cfg["half_edge"] is False
+    cubin = dispatch._compile_fwd(ARCH, "BFloat16", d, causal, varlen, keep_cubin=True,
+                                  local=True, **cfg).__cubin__
+    ops = sass_opcodes(cubin, tmp_path)
+    assert ops.get("HGMMA", 0) > 0, "no HGMMA: the kernel is off the wgmma path"
+    # Known (session 43, open): the persistent varlen walk at d = 64 / 96 spills a few words
+    # with the window's bounds; every other local kernel is spill-free.
+    spill_words = LOCAL_SPILL_WORDS.get((d, varlen), 0)
+    assert ops.get("STL", 0) <= spill_words and ops.get("LDL", 0) <= spill_words, ops
+    assert ops.get("UTMALDG", 0) > 0, "no TMA loads"
+    assert_wgmma_not_serialized(ops)
+
+
+LOCAL_SPILL_WORDS = {(64, True): 8, (96, True): 8}
+
+
+def test_local_needs_a_plain_causal_config():
+    """The local kernel is a causal one without half_edge."""
+    for causal, cfg in ((False, {"half_edge": False}), (True, {})):
+        with pytest.raises(ValueError, match="local"):
+            dispatch._compile_fwd(ARCH, "BFloat16", 128, causal, local=True, **cfg)
 
 
 def test_dynamic_needs_persistent():

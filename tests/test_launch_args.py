@@ -82,6 +82,24 @@ def test_batched_launch_matches_compile(launched, monkeypatch, d, causal, walk, 
     assert len(launched) == 1
 
 
+@pytest.mark.parametrize("walk", ["0", "dyn:ctas=5", "auto"])
+@pytest.mark.parametrize("window", [(64, 0), (-1, 7), (100, -1)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_window_launches_match_compile(launched, monkeypatch, d, window, walk):
+    """Sliding windows, batched and varlen: the local kernels' two window arguments are
+    passed, finite (window_bounds)."""
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, walk)
+    q, k, v = _qkv((2, 700, 4, d), (2, 2500, 2, d))
+    dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=False, window_size=window)
+    cu = torch.tensor([0, 300, 1200], dtype=torch.int32)
+    q, k, v = _qkv((1200, 4, d), (1200, 2, d))
+    dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=False, window_size=window,
+                 cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
+    assert len(launched) == 2
+    for launch in launched:
+        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-2:])
+
+
 def test_split_static_walk_launch(launched, monkeypatch):
     """The static walk's split kernel (FLASH_CUTE_FWD_SPLIT_TAIL=all) is among the launches
     checked here."""
