@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 from flash_cute import backward, dispatch
 
 
-def _interim_bwd(dout, q, k, v, softmax_scale, causal):
+def _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size=(-1, -1)):
     """(dq, dk, dv) of batched attention, recomputed in fp32 with the backward written out.
 
     The formulas are the fused backward's (P = exp(S - lse), D = rowsum(dO * O),
@@ -37,10 +37,15 @@ def _interim_bwd(dout, q, k, v, softmax_scale, causal):
     qf, do = q.float(), dout.float()
     kf, vf = (t.float().repeat_interleave(group, dim=2) for t in (k, v))  # GQA: per query head
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * softmax_scale
-    if causal:  # bottom-right aligned, as in the forward
-        i = torch.arange(sq, device=q.device)[:, None]
+    left, right = window_size
+    right = 0 if causal else right
+    if left >= 0 or right >= 0:  # bottom-right aligned, as in the forward
+        i = torch.arange(sq, device=q.device)[:, None] + sk - sq
         j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+        if right >= 0:
+            s = s.masked_fill(j > i + right, float("-inf"))
+        if left >= 0:
+            s = s.masked_fill(j < i - left, float("-inf"))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - lse.nan_to_num(neginf=0.0))  # fully masked rows: exp(-inf) = 0
     o = torch.einsum("bhqk,bkhd->bqhd", p, vf)
@@ -56,7 +61,7 @@ def _interim_bwd(dout, q, k, v, softmax_scale, causal):
 
 
 def _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                        softmax_scale, causal):
+                        softmax_scale, causal, window_size=(-1, -1)):
     """(dq, dk, dv) of varlen attention: _interim_bwd on each sequence's used rows and keys
     (causal stays bottom-right aligned on the used lengths, as in the reference); rows and
     keys past seqused get 0. Reads cu_seqlens on the host: a fallback, not a fast path."""
@@ -69,7 +74,7 @@ def _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, se
             continue
         rows, keys = slice(cu_q[i], cu_q[i] + nq), slice(cu_k[i], cu_k[i] + nk)
         grads = _interim_bwd(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
-                             softmax_scale, causal)
+                             softmax_scale, causal, window_size)
         dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
     return dq, dk, dv
 
@@ -101,14 +106,17 @@ def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
     return _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
 
 
-def _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+def _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
+                 window_size=(-1, -1)):
     """(dq, dk, dv): the fused kernels on sm_90 for the head dims they cover; otherwise (or
     FLASH_CUTE_FUSED_BWD=0) the fp32 recompute, which takes any dout layout (it copies to
-    fp32). The body of flash_cute::bwd and of FlashAttnFunc.backward."""
+    fp32). The body of flash_cute::bwd and of FlashAttnFunc.backward. ``window_size``:
+    FA2's (left, right), eager calls only (the custom ops take none)."""
     if _fused_bwd_applies(q):
+        causal_k, window = dispatch.window_bounds(window_size, causal, q.shape[1], k.shape[1])
         return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                            causal=causal, deterministic=deterministic)
-    return _interim_bwd(dout, q, k, v, softmax_scale, causal)
+                            causal=causal_k, deterministic=deterministic, window=window)
+    return _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size)
 
 
 @_bwd.register_fake
@@ -222,18 +230,21 @@ _varlen_fwd.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_c
 
 
 def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-               max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False):
+               max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False,
+               window_size=(-1, -1)):
     """(dq, dk, dv) of varlen attention: the fused kernels (backward.varlen_bwd) where they
     apply; otherwise the fp32 recompute per sequence (slow, O(s^2) memory). The body of
-    flash_cute::varlen_bwd and of FlashAttnFunc.backward."""
+    flash_cute::varlen_bwd and of FlashAttnFunc.backward (``window_size``: its only)."""
     if _fused_bwd_applies(q):
+        causal_k, window = dispatch.window_bounds(window_size, causal, max_seqlen_q,
+                                                  max_seqlen_k)
         return backward.varlen_bwd(
             dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-            causal=causal, seqused_q=seqused_q, seqused_k=seqused_k,
-            deterministic=deterministic)
+            causal=causal_k, seqused_q=seqused_q, seqused_k=seqused_k,
+            deterministic=deterministic, window=window)
     return _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                               softmax_scale, causal)
+                               softmax_scale, causal, window_size)
 
 
 class FlashAttnFunc(torch.autograd.Function):
@@ -259,8 +270,8 @@ class FlashAttnFunc(torch.autograd.Function):
         opts = ctx.opts
         if opts["cu_seqlens_q"] is None:
             grads = _batched_bwd(dout, q, k, v, out, lse, opts["softmax_scale"], opts["causal"],
-                                 ctx.deterministic)
+                                 ctx.deterministic, opts["window_size"])
         else:
             grads = varlen_bwd(dout, q, k, v, out, lse, *(opts[n] for n in VARLEN_OP_ARGS),
-                               ctx.deterministic)
+                               ctx.deterministic, opts["window_size"])
         return _input_grads(ctx, grads)

@@ -71,7 +71,7 @@ import torch
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
                      BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections,
                      parse_config_spec)
-from .dispatch import NO_VARLEN, compile_kernel, partials_workspace
+from .dispatch import NO_VARLEN, NO_WINDOW, compile_kernel, partials_workspace
 from .kernels.common.scheduler import varlen_num_tiles
 from .kernels.common.seqlen import pad_offset
 
@@ -165,8 +165,8 @@ def unsupported_bwd_option(*, head_dim: int, window_size=(-1, -1),
     and varlen alike)."""
     if head_dim not in BWD_SUPPORTED_HEAD_DIMS:
         return f"head_dim={head_dim} (fused backward supports {BWD_SUPPORTED_HEAD_DIMS})"
-    if tuple(window_size) != (-1, -1) or softcap != 0.0 or alibi_slopes is not None:
-        return "window_size/softcap/alibi_slopes (not in the fused backward yet)"
+    if softcap != 0.0 or alibi_slopes is not None:
+        return "softcap/alibi_slopes (not in the fused backward yet)"
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p}"
     return None
@@ -307,7 +307,7 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
-                  varlen=False, **cfg_overrides):
+                  varlen=False, local=False, **cfg_overrides):
     import cutlass
     import cutlass.cute as cute
 
@@ -368,9 +368,11 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             # has no tail section: its sections are per sequence).
             cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1),
             None if varlen else cutlass.Int32(1),
-            *(_fake_split_args(d) if cfg.split_tail else NO_SPLIT))
-    return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen), args,
-                          keep_cubin)
+            *(_fake_split_args(d) if cfg.split_tail else NO_SPLIT),
+            # local: the window's finite (left, right), runtime values
+            *((cutlass.Int32(0), cutlass.Int32(0)) if local else NO_WINDOW))
+    return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen, local),
+                          args, keep_cubin)
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
@@ -452,20 +454,21 @@ _TILE_FIELDS = frozenset(("tile_m", "dq_split", "swizzle_dq"))
 
 
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
-                      persistent: bool = False):
+                      persistent: bool = False, local: bool = False):
     """The batched backward's config overrides: BATCHED_TILE_M128 at d=64 (staggered unless
     the caller picks the loop's order or the persistent kernel), BATCHED_TALT at
     d=128 for long calls (one CTA per tile), and swizzled dQ rows for calls of at most
     BWD_SWIZZLE_DQ_MAX_SEQLEN_Q queries (``seqlen_q`` 0: not given, a long call), unless the
     caller or FLASH_CUTE_BWD_CONFIG chooses the tile. A per-call choice among cached kernels:
-    no length in any compile key."""
+    no length in any compile key. ``local`` (a sliding window) keeps the 64-row tile: the
+    80-row one spilled 34 words with the window's bounds (session 43)."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
     out = cfg_overrides
     talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
     if d == 64 and not chosen & set(BATCHED_TILE_M128):
         stagger = {} if persistent or chosen & _ORDER_FIELDS else BATCHED_D64_STAGGER
         out = {**BATCHED_TILE_M128, **stagger, **(cfg_overrides or {})}
-    elif (d == 128 and not persistent and seqlen_q >= talt_min
+    elif (d == 128 and not persistent and not local and seqlen_q >= talt_min
             and not chosen & _TALT_TILE_FIELDS):
         return {**BATCHED_TALT, **(cfg_overrides or {})}  # its dQ^T rows are unpadded
     if (d in SWIZZLE_DQ_HEAD_DIMS and 0 < seqlen_q <= BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
@@ -509,7 +512,7 @@ def _config(d: int, overrides: tuple) -> BwdSm90Config:
 
 def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                     deterministic: bool = False, varlen: bool = False,
-                    persistent: bool = False, cfg_overrides=None):
+                    persistent: bool = False, cfg_overrides=None, local: bool = False):
     """(pre, main, post for dq, batched post for the GQA dK/dV sums) compiled TVM-FFI
     functions; pre/post are shared across the flags and keyed by the main kernel's tile_m
     (their padding unit), pdl (how they are chained to it) and, for dq, cfg.dq_swizzle and
@@ -523,9 +526,9 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
                                     swizzle_dq=sw_dq))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
-                 extra),
+                 extra) + (("local",) if local else ()),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
-                                      deterministic=deterministic, varlen=varlen,
+                                      deterministic=deterministic, varlen=varlen, local=local,
                                       persistent=persistent, **overrides))
     post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, None),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
@@ -632,14 +635,16 @@ def _row_scratch(rows: tuple, dq_row: int, d: int, device):
 
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float, causal: bool,
-        deterministic: bool = False, persistent: bool | None = None, cfg_overrides=None):
+        deterministic: bool = False, persistent: bool | None = None, cfg_overrides=None,
+        window=None):
     """Gradients of attention (batched layout). Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (b, sq, h, d); k, v (b, sk, hk, d), h % hk == 0; lse fp32 (b, h, sq) natural
     log, as returned by the forward. Inputs are assumed validated like the forward's.
     persistent: the persistent main kernel; None reads FLASH_CUTE_BWD_PERSISTENT.
     cfg_overrides: BwdSm90Config fields of the main kernel (experiments, bench/exp_bwd.py);
-    pre / post and the allocations follow its tile_m.
+    pre / post and the allocations follow its tile_m. window: a sliding window's finite
+    (left, right) from dispatch.window_bounds (causal set), or None.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -649,14 +654,16 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _require_runnable(d, q.device)
     persistent = _resolve_persistent(persistent, d)
     cfg_overrides = split_tail_overrides(
-        d, batched_overrides(d, cfg_overrides, bool(causal), sq, persistent), bool(causal),
+        d, batched_overrides(d, cfg_overrides, bool(causal), sq, persistent,
+                             window is not None), bool(causal),
         bool(deterministic), persistent, sq)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
                                                bool(causal), gqa, bool(deterministic),
                                                persistent=persistent,
-                                               cfg_overrides=cfg_overrides)
+                                               cfg_overrides=cfg_overrides,
+                                               local=window is not None)
     # bwd_pre first, with only what it needs: the rest of the host work below runs while the
     # GPU does it (a training step's backward is host-bound on slow hosts otherwise).
     sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
@@ -679,7 +686,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
          *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal),
          *(_split_args(q.device, cfg, b * h, sq, sk, causal or deterministic)
-           if cfg.split_tail else NO_SPLIT))
+           if cfg.split_tail else NO_SPLIT), *(window or NO_WINDOW))
     post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
@@ -718,15 +725,15 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
                deterministic: bool = False, persistent: bool | None = None,
-               cfg_overrides=None):
+               cfg_overrides=None, window=None):
     """Gradients of varlen attention. Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (total_q, h, d); k, v (total_k, hk, d); lse fp32 (h, total_q) as returned by
     the varlen forward; cu_seqlens, seqused and max_seqlen as validated for it. Rows past
     seqused come out 0 (they take no part in the attention). Same three launches as ``bwd``,
     over the padded per-sequence rows of common/seqlen.py; nothing here reads cu_seqlens on
-    the host (no sync) and no length enters the compile key. persistent, cfg_overrides: as
-    in ``bwd``.
+    the host (no sync) and no length enters the compile key. persistent, cfg_overrides,
+    window: as in ``bwd``.
     """
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
@@ -741,7 +748,8 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
                                                bool(causal), gqa, bool(deterministic),
                                                varlen=True, persistent=persistent,
-                                               cfg_overrides=cfg_overrides)
+                                               cfg_overrides=cfg_overrides,
+                                               local=window is not None)
     # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
@@ -771,7 +779,8 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
          softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
          used_k,
          *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), max_seqlen_k,
-                      cfg.tile_n, d, batch * h, causal)[:2], None, *NO_SPLIT)
+                      cfg.tile_n, d, batch * h, causal)[:2], None, *NO_SPLIT,
+         *(window or NO_WINDOW))
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)

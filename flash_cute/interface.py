@@ -32,10 +32,10 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
     causal, window = dispatch.window_bounds(opts["window_size"], opts["causal"], 0, 0)
     if window is None:  # no bound beyond causal's: the causal or plain kernels, any path
         opts.update(causal=causal, window_size=(-1, -1))
-    else:
-        _check_window_call(opts["window_size"], q, k, v)
-        out, lse = dispatch.fwd(q, k, v, **opts)
-        return (out, lse, None) if return_attn_probs else out
+    elif use_custom_ops():
+        raise NotImplementedError(
+            f"flash_cute: window_size={opts['window_size']} under torch.compile or a dispatch "
+            f"mode: the flash_cute:: custom ops take no window yet (call it eagerly)")
     if not use_custom_ops():  # eager: the same functions without the dispatcher's cost
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = FlashAttnFunc.apply(q, k, v, opts, deterministic)
@@ -49,19 +49,6 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
         out, lse = torch.ops.flash_cute.fwd(q, k, v, opts["softmax_scale"], opts["causal"],
                                             deterministic)
     return (out, lse, None) if return_attn_probs else out
-
-
-def _check_window_call(window_size, q, k, v):
-    """A sliding window runs in the forward kernels only, eagerly: refuse what would need
-    more, before any launch."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError(
-            f"flash_cute: window_size={window_size} with inputs that require grad: the "
-            f"backward has no sliding window yet (run the forward under torch.no_grad())")
-    if use_custom_ops():
-        raise NotImplementedError(
-            f"flash_cute: window_size={window_size} under torch.compile or a dispatch mode: "
-            f"the flash_cute:: custom ops take no window yet (call it eagerly)")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,

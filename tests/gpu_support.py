@@ -121,14 +121,17 @@ def oracle_grads(q, k, v, dout, wanted, *, upcast, **kw):
     return dict(zip(wanted, grads))
 
 
-def check_grads(q, k, v, wanted, *, causal=False, softmax_scale=None, seed=10):
-    """flash_cute's dq/dk/dv (for the inputs in ``wanted``) vs the oracle's fp32 autograd."""
+def check_grads(q, k, v, wanted, *, causal=False, softmax_scale=None, seed=10,
+                window_size=(-1, -1), deterministic=False):
+    """flash_cute's dq/dk/dv (for the inputs in ``wanted``) vs the oracle's fp32 autograd;
+    returns them."""
     leaves = [t.detach().clone().requires_grad_(i in wanted) for i, t in enumerate((q, k, v))]
     poison_allocator()
-    out = flash_attn_func(*leaves, causal=causal, softmax_scale=softmax_scale)
+    out = flash_attn_func(*leaves, causal=causal, softmax_scale=softmax_scale,
+                          window_size=window_size, deterministic=deterministic)
     dout = rand(*out.shape, dtype=out.dtype, seed=seed)
     got = torch.autograd.grad(out, [leaves[i] for i in wanted], dout)
-    kw = dict(causal=causal, softmax_scale=softmax_scale)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size)
     ref = oracle_grads(q, k, v, dout, wanted, upcast=True, **kw)
     low = oracle_grads(q, k, v, dout, wanted, upcast=False, **kw)
     names = ["d" + "qkv"[i] for i in wanted]
@@ -136,6 +139,7 @@ def check_grads(q, k, v, wanted, *, causal=False, softmax_scale=None, seed=10):
         assert g.shape == leaves[i].shape and g.dtype == leaves[i].dtype, name
         assert torch.isfinite(g).all(), f"{name} has non-finite values"
     check_grads_close(got, [ref[i] for i in wanted], [low[i] for i in wanted], names)
+    return got
 
 
 
@@ -175,10 +179,10 @@ def varlen_inputs(lens_q, lens_k, h, hk, d, dtype=BF16, seed=0, grad=False):
 
 
 def varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, *, causal, deterministic=False,
-                 **used):
+                 window_size=(-1, -1), **used):
     """(dq, dk, dv) of flash_attn_varlen_func, on poisoned output memory."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     poison_allocator()
     out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=causal,
-                                 deterministic=deterministic, **used)
+                                 deterministic=deterministic, window_size=window_size, **used)
     return torch.autograd.grad(out, leaves, dout)

@@ -16,11 +16,13 @@ from flash_cute.reference import attention_ref
 MMA_WG = 2  # kernels/sm90/bwd.py: the key block's rows split over two mma warpgroups
 
 
-def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
+def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n, window=None):
     """The kernels' algorithm, block by block, in float64: bwd_pre's D and LSE_log2 (with its
     padding and +inf rules), the main kernel's m-block range and mask range per key block
     (block_info), and the transposed tiles; asserts the plan never skips or leaves unmasked a
-    score that the causal/ragged rule would mask differently."""
+    score that the causal/ragged rule would mask differently. ``window``: a local kernel's
+    finite (left, right) (causal set), its two mask ranges and the deterministic order's
+    first key block per query block."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -40,38 +42,58 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
     dV = torch.zeros_like(dK)
     off = sk - sq
     scale_log2 = scale * math.log2(math.e)
+    left, right = window if window is not None else (None, None)
+    visits = {}  # (bi, hi, m) -> the key blocks adding into query block m, in order
     for bi in range(b):
         for hi in range(h):
             for n in range(nkb):
-                m_begin = block_info.m_block_min_causal(n, tile_m, tile_n, sq, sk) if causal else 0
+                m_begin = (block_info.m_block_min_causal(n, tile_m, tile_n, sq, sk, right)
+                           if causal else 0)
                 m_end = -(-sq // tile_m)
+                if window is not None:
+                    m_end = block_info.m_block_end_window(n, tile_m, tile_n, sq, sk, left)
                 mask_end = max(m_begin, block_info.m_block_mask_end(n, tile_m, tile_n, sq, sk,
-                                                                    causal))
+                                                                    causal, right))
+                left_start = m_end
+                if window is not None:
+                    left_start = max(mask_end, min(m_end, block_info.m_block_left_mask_start(
+                        n, tile_m, tile_n, sq, sk, left)))
                 keys = torch.arange(n * tile_n, (n + 1) * tile_n).view(-1, 1)
                 blk = slice(n * tile_n, (n + 1) * tile_n)
                 Kt, Vt = K[bi, blk, hi // g], V[bi, blk, hi // g]
-                for m in range(0, m_end):
+                for m in range(0, -(-sq // tile_m)):
                     rows = torch.arange(m * tile_m, (m + 1) * tile_m).view(1, -1)
                     allowed = (keys < sk) & (rows < sq)
                     if causal:
-                        allowed &= keys <= rows + off
-                    if m < m_begin:
+                        allowed &= keys <= rows + off + (right or 0)
+                    if window is not None:
+                        allowed &= keys >= rows + off - left
+                    if m < m_begin or m >= m_end:
                         assert not allowed.any(), (n, m, "skipped block has visible scores")
                         continue
+                    if window is not None:  # bwd_dq: key block n waits for n - first adds
+                        first = block_info.n_block_min_window(m, tile_m, tile_n, sq, sk, left)
+                        visits.setdefault((bi, hi, m), []).append(n - first)
                     Qt = Q[bi, m * tile_m:(m + 1) * tile_m, hi]
                     dOt = dO[bi, m * tile_m:(m + 1) * tile_m, hi]
                     St = Kt @ Qt.T                                  # S^T: keys x queries
-                    if m < mask_end:
+                    if m < mask_end or m >= left_start:
                         # skip_masked_wg: a warpgroup's keys (tile_n / 2, from its first one
-                        # at or past key_end_visible) are seen by no row of the block, so it
-                        # may skip their products.
-                        key_end = block_info.key_end_visible(m, tile_m, sq, sk, causal)
+                        # at or past key_end_visible, or ending before key_start_visible) are
+                        # seen by no row of the block, so it may skip their products.
+                        key_end = block_info.key_end_visible(m, tile_m, sq, sk, causal, right)
+                        key_start = (block_info.key_start_visible(m, tile_m, sq, sk, left)
+                                     if window is not None else 0)
                         wk = tile_n // MMA_WG
                         for w in range(MMA_WG):
-                            if n * tile_n + w * wk >= key_end:
+                            first_key = n * tile_n + w * wk
+                            if first_key >= key_end or first_key + wk <= key_start:
                                 assert not allowed[w * wk:(w + 1) * wk].any(), \
                                     (n, m, w, "a skipped warpgroup has visible scores")
-                        kernel_ok = (keys < sk) & ((keys <= rows + off) if causal else True)
+                        kernel_ok = (keys < sk) & ((keys <= rows + off + (right or 0))
+                                                   if causal else True)
+                        if window is not None:
+                            kernel_ok &= keys >= rows + off - left
                         St = St.masked_fill(~kernel_ok, -math.inf)
                     else:
                         bad = ~allowed & (rows < sq)
@@ -83,6 +105,8 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n):
                     dV[bi, n * tile_n:(n + 1) * tile_n, hi] += Pt @ dOt
                     dK[bi, n * tile_n:(n + 1) * tile_n, hi] += dSt @ Qt
                     dQacc[bi, hi, m * tile_m:(m + 1) * tile_m] += dSt.T @ Kt
+    for key, order in visits.items():  # the semaphore counts 0, 1, 2, ... in key order
+        assert order == list(range(len(order))), (key, order)
     dq = (dQacc[:, :, :sq] * scale).transpose(1, 2)
     dk = (dK[:, :sk] * scale).view(b, sk, hk, g, d).sum(3)
     dv = dV[:, :sk].view(b, sk, hk, g, d).sum(3)
@@ -107,6 +131,28 @@ def test_bwd_plan_matches_oracle(sq, sk, h, hk, causal, tile_n):
                        tile_m=4, tile_n=tile_n)
     for name, g_, r in zip("qkv", got, ref):
         # the oracle computes in fp32 (upcast=True), so fp32-level agreement is the target
+        assert torch.allclose(g_, r, atol=1e-5, rtol=1e-4), f"d{name}: {(g_ - r).abs().max()}"
+
+
+WINDOWS = [(0, 0), (1, 0), (5, 2), (3, 9), (40, 0), (0, 40), (13, 1)]
+
+
+@pytest.mark.parametrize("tile_n", [8, 4], ids=["tn=2tm", "tn=tm(wide)"])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("sq,sk", [(1, 1), (13, 5), (5, 13), (17, 29), (29, 17), (16, 16)])
+def test_bwd_plan_window_matches_oracle(sq, sk, window, tile_n):
+    """A local kernel's plan (dispatch.window_bounds' finite window): query-block range from
+    both edges, right- and left-edge masks, deterministic dQ order."""
+    torch.manual_seed(1)
+    b, h, hk, d, scale = 1, 2, 1, 8, 0.35
+    q, k, v, dout = (torch.randn(b, s, n, d, dtype=torch.float64)
+                     for s, n in ((sq, h), (sk, hk), (sk, hk), (sq, h)))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, softmax_scale=scale, window_size=window)
+    ref = torch.autograd.grad(out, leaves, dout)
+    got = _emulate_bwd(q, k, v, out.detach(), dout, lse.detach(), scale, True, tile_m=4,
+                       tile_n=tile_n, window=window)
+    for name, g_, r in zip("qkv", got, ref):
         assert torch.allclose(g_, r, atol=1e-5, rtol=1e-4), f"d{name}: {(g_ - r).abs().max()}"
 
 

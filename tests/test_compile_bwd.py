@@ -78,6 +78,33 @@ def test_bwd_main_compiles(dtype, d, causal, gqa, deterministic, tmp_path, monke
     check_main_sass(sass_opcodes(main_cubin(dtype, d, causal, gqa, deterministic), tmp_path))
 
 
+# Sliding-window (local) backward kernels: the causal kernels the host picks (batched short
+# and long calls, whose tiles batched_overrides chooses; varlen), with GQA / deterministic.
+LOCAL_BWD = ([(d, False, False, False, sq) for d in BWD_SUPPORTED_HEAD_DIMS
+              for sq in (512, backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q)]
+             + [(d, True, False, False, 0) for d in BWD_SUPPORTED_HEAD_DIMS]
+             + [(d, v, True, True, 0) for d in (64, 128, 256) for v in (False, True)])
+
+
+@pytest.mark.parametrize("d,varlen,deterministic,gqa,seqlen_q", LOCAL_BWD, ids=str)
+def test_bwd_main_local_compiles(d, varlen, deterministic, gqa, seqlen_q, tmp_path,
+                                 monkeypatch):
+    """The window's edges as runtime bounds, a third (masked) query-block loop and the
+    deterministic order's first key block: spill-free, wgmma not serialized."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    ov = {} if varlen else (backward.batched_overrides(d, None, True, seqlen_q, local=True)
+                            or {})
+    cubin = backward.bwd_cubin(ARCH, "BFloat16", d, True, gqa, deterministic, varlen=varlen,
+                               local=True, **ov)
+    check_main_sass(sass_opcodes(cubin, tmp_path))
+
+
+def test_bwd_local_needs_causal():
+    with pytest.raises(ValueError, match="local"):
+        backward.bwd_cubin(ARCH, "BFloat16", 128, False, local=True)
+
+
 # The batched d=64 kernel as shipped (backward.batched_overrides: 128-row tile, staggered "alt"
 # dQ turns; the 64-row variants above are varlen's), long calls and short ones (swizzled dQ
 # rows), plus its persistent (opt-in, lockstep) loop.

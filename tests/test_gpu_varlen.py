@@ -237,7 +237,8 @@ def test_varlen_torch_compile_matches_eager():
 
 
 def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, seqused_k=None,
-                       seed=43, dtype=BF16, nan_unused=False):
+                       seed=43, dtype=BF16, nan_unused=False, window_size=(-1, -1),
+                       deterministic=False):
     """Gradients vs the fp32 oracle's (one atol for the set, check_grads_close). nan_unused:
     q/k/v/dout rows past seqused hold NaN (the oracle sees zeros there) and must reach no
     gradient; gradient rows past seqused must be exactly 0."""
@@ -254,8 +255,10 @@ def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, sequ
     clean = [t.masked_fill(m, 0.0) for t, m in zip((q, k, v, dout), masks)]
     inputs = [t.masked_fill(m, float("nan")) for t, m in zip((q, k, v, dout), masks)] \
         if nan_unused else clean
-    got = varlen_grads(*inputs[:3], cu_q, cu_k, max_q, max_k, inputs[3], causal=causal, **used)
-    kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **used)
+    got = varlen_grads(*inputs[:3], cu_q, cu_k, max_q, max_k, inputs[3], causal=causal,
+                       window_size=window_size, deterministic=deterministic, **used)
+    kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=window_size,
+              **used)
     ref = oracle_grads(*clean[:3], clean[3], (0, 1, 2), upcast=True, **kw)
     low = oracle_grads(*clean[:3], clean[3], (0, 1, 2), upcast=False, **kw)
     for i, m in zip(range(3), masks):
@@ -264,6 +267,7 @@ def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, sequ
         assert torch.isfinite(got[i]).all(), f"{name} has non-finite values"
         assert (got[i].masked_select(m) == 0).all(), f"{name} rows past seqused must be 0"
     check_grads_close(got, [ref[i] for i in range(3)], [low[i] for i in range(3)])
+    return got
 
 
 @pytest.mark.skipif(ON_CPU, reason="compares two kernel configs")

@@ -1,21 +1,21 @@
-"""GPU tests of sliding-window (local) attention in the forward kernels: flash_cute against
+"""GPU tests of sliding-window (local) attention, forward and backward: flash_cute against
 the fp32 oracle with the project's comparison rule, poisoned outputs, batched and varlen.
 
 window_size = (left, right), FA2's rule aligned bottom-right: query i sees key j iff
 i + sk - sq - left <= j <= i + sk - sq + right, -1 unbounded; causal sets right = 0. The
-local kernel is a causal kernel whose diagonal moves by ``right`` and which also masks the
+local kernels are causal kernels whose diagonal moves by ``right`` and which also mask the
 window's left edge (kernels/common/block_info.py), so the cases cross both edges inside a
-key block and at block boundaries, windows wider than the keys, rows that see no key, and
-tiles whose whole window lies outside the keys.
+block and at block boundaries, windows wider than the keys, rows that see no key, tiles
+whose whole window lies outside the keys, and key blocks that no query sees.
 """
 import pytest
 import torch
 
 from flash_cute import dispatch, flash_attn_func, flash_attn_varlen_func
 from gpu_support import (ON_CPU, _cpu_standin,  # noqa: F401 (autouse)
-                         gpu_module_marks, poison_allocator, qkv_inputs, run_and_check,
+                         check_grads, gpu_module_marks, qkv_inputs, rand, run_and_check,
                          varlen_inputs)
-from test_gpu_varlen import varlen_run_and_check
+from test_gpu_varlen import check_varlen_grads, varlen_run_and_check
 
 pytestmark = gpu_module_marks()
 
@@ -73,21 +73,62 @@ def test_window_varlen(d, window, causal):
                          window_size=window)
 
 
-def test_window_refuses_gradients():
-    """The backward has no window: refused at the forward, before any launch; under
-    torch.no_grad the same inputs run."""
-    q, k, v = (t.requires_grad_() for t in qkv_inputs(1, 64, 64, 2, 2, 64))
-    with pytest.raises(NotImplementedError, match="window_size"):
-        flash_attn_func(q, k, v, window_size=(8, 0))
-    with torch.no_grad():
-        poison_allocator(64 << 20)
-        out = flash_attn_func(q, k, v, window_size=(8, 0))
-    assert torch.isfinite(out).all()
-    # No bound beyond causal's: the causal kernels and their backward.
-    out = flash_attn_func(q, k, v, window_size=(-1, 0))
-    torch.testing.assert_close(out, flash_attn_func(q, k, v, causal=True), rtol=0, atol=0)
-    out.sum().backward()
-    assert q.grad is not None
+# Gradients: (sq, sk, window, causal), the forward's edge cases that the backward's query-
+# block ranges (both edges), masks and deterministic order see differently per key block.
+GRAD_CASES = [
+    (1, 1, (0, 0), False),
+    (300, 300, (16, 0), False),
+    (517, 517, (128, 0), True),
+    (700, 700, (100, -1), False),
+    (700, 700, (-1, 50), False),
+    (129, 517, (40, 3), False),
+    (517, 129, (40, 3), False),
+    (300, 700, (5, 300), False),
+]
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("sq,sk,window,causal", GRAD_CASES,
+                         ids=[f"{a}x{b}-w{w[0]}_{w[1]}{'-c' if c else ''}"
+                              for a, b, w, c in GRAD_CASES])
+def test_window_grads(sq, sk, window, causal, d):
+    q, k, v = qkv_inputs(2, sq, sk, 2, 1, d, seed=sq + sk + d)
+    check_grads(q, k, v, (0, 1, 2), causal=causal, window_size=window)
+
+
+@pytest.mark.parametrize("d,window", [(64, (200, 0)), (128, (300, 0)), (128, (511, 64)),
+                                      (256, (130, 10))])
+def test_window_grads_long_deterministic(d, window):
+    """Many query blocks per key block (the unmasked middle of the window), GQA, and the
+    deterministic order (the semaphore counts from each query block's first key block):
+    against the oracle, then bit-identical over three runs."""
+    q, k, v = qkv_inputs(1, 1500, 1500, 4, 2, d, seed=d)
+    first = check_grads(q, k, v, (0, 1, 2), window_size=window, deterministic=True)
+    for _ in range(2):
+        again = check_grads(q, k, v, (0, 1, 2), window_size=window, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name}: deterministic runs differ"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window,causal", [((64, 0), False), ((100, 20), False),
+                                           ((33, -1), True)])
+def test_window_varlen_grads(d, window, causal):
+    lens_q, lens_k = [0, 1, 77, 300, 1000, 129], [3, 1, 77, 500, 1000, 0]
+    check_varlen_grads(lens_q, lens_k, 4, 2, d, causal=causal, window_size=window)
+
+
+def test_window_equivalent_to_causal_takes_its_path():
+    """(-1, 0) is causal: the causal kernels run, forward and backward, bitwise equal."""
+    q, k, v = qkv_inputs(1, 200, 200, 2, 2, 64)
+    dout = rand(1, 200, 2, 64, seed=5)
+    grads = []
+    for kw in (dict(window_size=(-1, 0)), dict(causal=True)):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, **kw)
+        grads.append((out, *torch.autograd.grad(out, leaves, dout)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *grads):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.skipif(ON_CPU, reason="compile counts need the kernels")

@@ -168,6 +168,23 @@ def test_backward_launches_match_compile(launched, d, hk, causal, deterministic,
                         deterministic=deterministic, persistent=persistent)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d,hk", [(64, 4), (128, 2), (256, 1)])
+def test_backward_window_launches_match_compile(launched, d, hk, deterministic):
+    """The local backward kernels (a window's two bounds appended), batched and varlen."""
+    q, k, v = _qkv((2, 700, 4, d), (2, 900, hk, d))
+    backward.bwd(q, q, k, v, q, torch.zeros(2, 4, 700), softmax_scale=0.1, causal=True,
+                 deterministic=deterministic, window=(64, 5))
+    cu = torch.tensor([0, 300, 700], dtype=torch.int32)
+    q, k, v = _qkv((700, 4, d), (700, hk, d))
+    backward.varlen_bwd(q, q, k, v, q, torch.zeros(4, 700), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                        max_seqlen_q=400, max_seqlen_k=400, softmax_scale=0.1, causal=True,
+                        deterministic=deterministic, window=(3, 800))
+    mains = [x for x in launched if x.name.startswith("FlashBwd") and "Pre" not in x.name
+             and "Post" not in x.name]
+    assert [x.args[-2:] for x in mains] == [(64, 5), (3, 800)]
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_autograd_path_launches(launched, monkeypatch, causal):
     """The public functions through autograd (eager) reach every kernel with its compiled
@@ -223,7 +240,7 @@ def test_backward_split_tail_launch(launched, monkeypatch, d, causal, determinis
     backward.bwd(q, q, k, v, q, torch.zeros(2, 2, sq), softmax_scale=0.1, causal=causal,
                  deterministic=deterministic, persistent=False)
     main = next(launch for launch in launched if launch.name == "FlashBwdSm90")
-    tail_start, pieces, partial, tickets = main.args[-4:]
+    tail_start, pieces, partial, tickets = main.args[-6:-2]  # then the window (None, None)
     split = not causal and not deterministic and (long_call or bool(env))
     assert main.split == (split or bool(env))
     if not main.split:

@@ -48,33 +48,66 @@ def n_block_left_unmasked(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: In
 # Backward (one key block per CTA, looping over query blocks): the same causal rule seen from
 # the key side. Query row i sees key j iff j <= i + seqlen_k - seqlen_q.
 def m_block_min_causal(n_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
-                       seqlen_k: Int32) -> Int32:
-    """First query block with a row that sees some key of key block ``n_block``."""
+                       seqlen_k: Int32, window_right=None) -> Int32:
+    """First query block with a row that sees some key of key block ``n_block`` (the
+    diagonal moved right by ``window_right``, a local kernel's)."""
     first_row = n_block * tile_n - (seqlen_k - seqlen_q)  # the row whose diagonal is key n*tn
+    if window_right is not None:
+        first_row -= window_right
     return cutlass.max(first_row, 0) // tile_m
 
 
+def m_block_end_window(n_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
+                       seqlen_k: Int32, window_left) -> Int32:
+    """One past the last query block with a row whose window (left edge) reaches a key of
+    key block ``n_block``; at most the query block count."""
+    last_row = (n_block + 1) * tile_n - 1 - (seqlen_k - seqlen_q) + window_left
+    end = (cutlass.max(last_row, -1) + tile_m) // tile_m
+    return cutlass.min(end, (seqlen_q + tile_m - 1) // tile_m)
+
+
+def m_block_left_mask_start(n_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
+                            seqlen_k: Int32, window_left) -> Int32:
+    """Query blocks at or after this index hold a row whose window's left edge passes the
+    first key of key block ``n_block``: they need the left mask."""
+    last_full_row = n_block * tile_n - (seqlen_k - seqlen_q) + window_left  # sees key n*tn
+    return cutlass.max(last_full_row + 1, 0) // tile_m
+
+
 def m_block_mask_end(n_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,
-                     seqlen_k: Int32, causal: bool) -> Int32:
+                     seqlen_k: Int32, causal: bool, window_right=None) -> Int32:
     """Query blocks below this index need a mask against key block ``n_block``: every block
     when the key block is ragged (keys past seqlen_k), else (causal) the blocks holding a row
-    that does not see the key block's last key. Branch-free, so it also runs on Python ints."""
+    that does not see the key block's last key (the diagonal moved by ``window_right``).
+    Branch-free, so it also runs on Python ints."""
     num_m_blocks = (seqlen_q + tile_m - 1) // tile_m
     end = 0
     if causal:
         full_row = (n_block + 1) * tile_n - 1 - (seqlen_k - seqlen_q)  # first row seeing all
+        if window_right is not None:
+            full_row -= window_right
         end = cutlass.max(full_row + tile_m - 1, 0) // tile_m
     ragged = cutlass.min(cutlass.max((n_block + 1) * tile_n - seqlen_k, 0), 1)  # 0 or 1
     return cutlass.min(cutlass.max(end, ragged * num_m_blocks), num_m_blocks)
 
 
 def key_end_visible(m_block: Int32, tile_m: int, seqlen_q: Int32, seqlen_k: Int32,
-                    causal: bool) -> Int32:
+                    causal: bool, window_right=None) -> Int32:
     """One past the last key that some row of query block ``m_block`` sees: keys at or past it
     are masked for the whole block (its last row's diagonal, or seqlen_k)."""
     if causal:
-        return cutlass.min(seqlen_k, (m_block + 1) * tile_m + seqlen_k - seqlen_q)
+        end = (m_block + 1) * tile_m + seqlen_k - seqlen_q
+        if window_right is not None:
+            end += window_right
+        return cutlass.min(seqlen_k, end)
     return seqlen_k
+
+
+def key_start_visible(m_block: Int32, tile_m: int, seqlen_q: Int32, seqlen_k: Int32,
+                      window_left) -> Int32:
+    """The first key that some row of query block ``m_block`` sees through its window (may
+    be negative): keys before it are masked for the whole block."""
+    return m_block * tile_m + seqlen_k - seqlen_q - window_left
 
 
 def sees_half_edge(rows_block: Int32, rows: int, n_max: Int32, tile_n: int, seqlen_q: Int32,

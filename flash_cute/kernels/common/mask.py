@@ -52,12 +52,13 @@ def apply_mask(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_bloc
 def apply_mask_key_major(acc_St: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor,
                          n_block: Int32, m_block: Int32, tile_n: cutlass.Constexpr[int],
                          tile_m: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32,
-                         causal: cutlass.Constexpr[bool]):
+                         causal: cutlass.Constexpr[bool], window=None):
     """The backward's mask on a transposed score tile S^T (rows = keys, columns = queries).
 
     Keys past seqlen_k are masked whole-row; causal additionally masks query columns before the
     key's diagonal (query i < key j - (seqlen_k - seqlen_q)). Same thread-0-coordinate scheme as
-    ``apply_mask``: one limit per row, one compare-select per element.
+    ``apply_mask``: one limit per row, one compare-select per element. ``window`` (local, with
+    causal): the diagonal moves by its right bound, and queries past key + left are masked.
     """
     s_mn = acc_as_mn(acc_St)
     c_mn = acc_as_mn(tScS)
@@ -68,6 +69,14 @@ def apply_mask_key_major(acc_St: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Ten
         low = Int32(0)  # smallest visible column, in thread-0 column coordinates
         if const_expr(causal):
             low = key - (seqlen_k - seqlen_q) - m_block * tile_m - col0
+            if const_expr(window is not None):
+                low -= window[1]
         low = low if key < seqlen_k else Int32(tile_m)  # a key past the end: nothing visible
-        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            s_mn[r, c] = s_mn[r, c] if c0_mn[r, c][1] >= low else -Float32.inf
+        if const_expr(window is None):
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                s_mn[r, c] = s_mn[r, c] if c0_mn[r, c][1] >= low else -Float32.inf
+        else:
+            high = key - (seqlen_k - seqlen_q) + window[0] + 1 - m_block * tile_m - col0
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                col = c0_mn[r, c][1]
+                s_mn[r, c] = s_mn[r, c] if col >= low and col < high else -Float32.inf

@@ -111,7 +111,7 @@ from . import bwd_cols, bwd_split, pdl
 from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_tiles import KeyTileWalk
 from .bwd_types import (DQ_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, DkvOut, KeyTile,
-                        LoadOperands)
+                        LoadOperands, check_local)
 from .epilogue import TMA_BOX_COLS, store_acc_rows, store_own_rows, store_staged
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -130,11 +130,15 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
     uniform_dq_desc = False  # see __init__
 
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
-                 deterministic: bool = False, varlen: bool = False):
+                 deterministic: bool = False, varlen: bool = False, local: bool = False):
         """``dkv_dtype``: element type of the dK / dV outputs (the input dtype, or Float32 for
         the per-query-head GQA buffers that bwd_post sums). ``deterministic``: key blocks add
         into a query block's dQaccum in key-block order (a semaphore per query block).
-        ``varlen``: packed sequences (docs/architecture.md, "The SM90 backward main kernel")."""
+        ``varlen``: packed sequences (docs/architecture.md, "The SM90 backward main kernel").
+        ``local``: sliding window, a causal kernel whose diagonal and left edge come from the
+        runtime window_left / window_right (block_info)."""
+        check_local(cfg, causal, local)
+        self.local = local
         self.deterministic = deterministic
         self.persistent = cfg.persistent
         self.varlen = varlen
@@ -222,7 +226,8 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                  num_sms: Optional[Int32], heads_per_section: Int32,
                  tail_section: Optional[Int32], tail_start: Optional[Int32],
                  pieces: Optional[Int32], mPartial: Optional[cute.Tensor],
-                 mTickets: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mTickets: Optional[cute.Tensor], window_left: Optional[Int32],
+                 window_right: Optional[Int32], stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
         dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
@@ -334,7 +339,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                     mSeqUsedK, *sections, tma_dk, tma_dv, tma_mdK, tma_mdV, tail_start, pieces,
-                    mPartial, mTickets).launch(
+                    mPartial, mTickets, window_left, window_right).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -408,7 +413,10 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                tma_dk: Optional[cute.CopyAtom], tma_dv: Optional[cute.CopyAtom],
                tma_mdK: Optional[cute.Tensor], tma_mdV: Optional[cute.Tensor],
                tail_start: Optional[Int32], pieces: Optional[Int32],
-               mPartial: Optional[cute.Tensor], mTickets: Optional[cute.Tensor]):
+               mPartial: Optional[cute.Tensor], mTickets: Optional[cute.Tensor],
+               window_left: Optional[Int32], window_right: Optional[Int32]):
+        # local: the window's finite (left, right), read by the tile ranges and masks
+        self.window = (window_left, window_right) if const_expr(self.local) else None
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         split = None
         if const_expr(self.cfg.split_tail):
@@ -703,16 +711,26 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                 self.zero_tail_rows((sK, sV), keys, tidx)
             q_tail_rows = seqlen_q - (m_end - 1) * tm
             q_tail = m_end - 1 if q_tail_rows < tm else Int32(-1)
+        right = None if const_expr(self.window is None) else self.window[1]
         m_mask_end = cutlass.max(m_begin, block_info.m_block_mask_end(
-            n_block, tm, tn, seqlen_q, seqlen_k, self.causal))
+            n_block, tm, tn, seqlen_q, seqlen_k, self.causal, right))
         for m_block in cutlass.range(m_begin, cutlass.min(m_mask_end, m_end), unroll=1):
             st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
                              q_tail, q_tail_rows)
-        for m_block in cutlass.range(m_mask_end, m_end, unroll=1):
+        m_left = m_end  # local: query blocks from here on cross the window's left edge
+        if const_expr(self.local):
+            m_left = cutlass.max(m_mask_end, cutlass.min(m_end, block_info.m_block_left_mask_start(
+                n_block, tm, tn, seqlen_q, seqlen_k, self.window[0])))
+        for m_block in cutlass.range(m_mask_end, m_left, unroll=1):
             st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
                              q_tail, q_tail_rows)
+        if const_expr(self.local):
+            for m_block in cutlass.range(m_left, m_end, unroll=1):
+                st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO,
+                                 sLSE, sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q,
+                                 seqlen_k, q_tail, q_tail_rows)
         self.stamp(trace, tidx, {"blocks_done": None, "sm": cute.arch.smid,
                                  "blocks": lambda: m_end - m_begin})
         self.stamp(trace, tidx - WG_THREADS, {"wg2_done": None})
@@ -805,7 +823,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         if const_expr(masked):
             warpgroup.wait_group(0)  # the few diagonal/ragged blocks: no mask over live wgmma
             apply_mask_key_major(tSrS, tScS, t0ScS, n_block, m_block, self.tile_n, self.tile_m,
-                                 seqlen_q, seqlen_k, self.causal)
+                                 seqlen_q, seqlen_k, self.causal, self.window)
         else:
             warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
         return lse
@@ -827,6 +845,20 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         """dS^T = P^T o (dP^T - D) in place of dP^T (kernels/sm90/bwd_cols.py)."""
         bwd_cols.ds_from_dp(tdPrdP, p_mn, tScS, t0ScS, sD, s, dsum)
 
+    def wg_sees_nothing(self, m_block: Int32, n_block: Int32, wg: Int32, seqlen_q: Int32,
+                        seqlen_k: Int32):
+        """Whether no row of query block ``m_block`` sees any of warpgroup ``wg``'s keys: all
+        at or past the last row's diagonal (or seqlen_k), or (local) before the first row's
+        window."""
+        first = n_block * self.tile_n + wg * KEYS_PER_WG
+        right = None if const_expr(self.window is None) else self.window[1]
+        none = first >= block_info.key_end_visible(m_block, self.tile_m, seqlen_q, seqlen_k,
+                                                   self.causal, right)
+        if const_expr(self.local):
+            none = none | (first + KEYS_PER_WG <= block_info.key_start_visible(
+                m_block, self.tile_m, seqlen_q, seqlen_k, self.window[0]))
+        return none
+
     @cute.jit
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
                mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
@@ -842,8 +874,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         block = (m_block, st, masked, mma_sdp, mma_dkv, frags, sQ, sdO, sLSE, sD, pipe_q,
                  pipe_do, scale_log2, n_block, seqlen_q, seqlen_k, q_tail, q_tail_rows)
         if const_expr(masked and self.cfg.skips_masked_wg):
-            if n_block * self.tile_n + wg * KEYS_PER_WG >= block_info.key_end_visible(
-                    m_block, self.tile_m, seqlen_q, seqlen_k, self.causal):
+            if self.wg_sees_nothing(m_block, n_block, wg, seqlen_q, seqlen_k):
                 # P^T = dS^T = 0 for all of this warpgroup's keys: only its zero dS^T rows
                 # (the dQ wgmma reads them) and the stage's waits remain.
                 self.zero_q_tail(m_block, st, st, sQ, sdO, pipe_q, pipe_do, q_tail, q_tail_rows)

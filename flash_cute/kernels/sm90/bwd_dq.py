@@ -10,6 +10,7 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
+from ..common import block_info
 from ..common.layout import opaque_thread_idx
 from .bwd_types import (DQ_THREADS, DQ_TURN_THREADS, NUM_MMA_WG, WG_THREADS, Barrier, KeyTile,
                         parity_barrier)
@@ -165,6 +166,16 @@ class DqTile:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.stamp(mSem, lane, {"dq_done": None})
 
+    def dq_order(self, n_block: Int32, m_block: Int32, seq):
+        """Key block ``n_block``'s place among those adding into query block ``m_block`` (the
+        deterministic semaphore's value it waits for): local kernels start at the first key
+        block the block's window reaches."""
+        if const_expr(not self.local):
+            return n_block
+        return n_block - block_info.n_block_min_window(m_block, self.tile_m, self.tile_n,
+                                                       seq.seqlen_q, seq.seqlen_k,
+                                                       self.window[0])
+
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
                 tile: KeyTile, carry):
@@ -177,7 +188,8 @@ class DqTile:
         one's).
 
         Deterministic: the key blocks adding into query block m are 0 .. N(m)-1 (causal drops a
-        suffix, never a prefix), so key block n waits until m's semaphore reads n, adds, waits
+        suffix, never a prefix; a window's left edge a prefix too: dq_order), so key block n
+        waits until m's semaphore reads n, adds, waits
         for its adds to land, then increments it. It cannot deadlock: one CTA per tile, lower
         key blocks launch first (they are blockIdx.x); persistent, key blocks 0 .. n-1 of the
         (head, batch) are lower tiles than n (each_tile), and scheduler.py's induction
@@ -211,7 +223,8 @@ class DqTile:
                 else:
                     sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
                 if const_expr(self.deterministic):
-                    while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
+                    turn = self.dq_order(n_block, m_block, seq)
+                    while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
                         pass
                     cute.arch.fence_proxy("async.global")  # acquire before the async adds
                 bulk_reduce_add_f32(gdQ.iterator, sdQ.iterator, tile_bytes)

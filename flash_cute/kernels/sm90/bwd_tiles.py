@@ -84,9 +84,13 @@ class KeyTileWalk:
             seq = SeqlenInfo.create(batch, mQ, mK, pad_tile_m=self.tile_m)
         m_begin = Int32(0)
         if const_expr(self.causal):
-            m_begin = block_info.m_block_min_causal(n_block, self.tile_m, self.tile_n,
-                                                    seq.seqlen_q, seq.seqlen_k)
+            m_begin = block_info.m_block_min_causal(
+                n_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k,
+                None if const_expr(self.window is None) else self.window[1])
         m_end = cute.ceil_div(seq.seqlen_q, self.tile_m)
+        if const_expr(self.local):  # query blocks past the window's reach of the last key
+            m_end = block_info.m_block_end_window(n_block, self.tile_m, self.tile_n,
+                                                  seq.seqlen_q, seq.seqlen_k, self.window[0])
         return KeyTile(n_block, head, batch, seq, m_begin, m_end, has_keys)
 
     @cute.jit

@@ -106,3 +106,10 @@ class DkvOut:
     tma_dv: Optional[cute.CopyAtom]
     tma_mdK: Optional[cute.Tensor] = None
     tma_mdV: Optional[cute.Tensor] = None
+
+
+def check_local(cfg, causal: bool, local: bool):
+    """A local (sliding-window) backward is a causal kernel with the window's bounds as
+    runtime values; the split tail cuts equal tiles only, so never with a window."""
+    if local and (not causal or cfg.split_tail):
+        raise ValueError("local: a causal kernel without split_tail")

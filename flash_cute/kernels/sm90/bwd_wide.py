@@ -111,7 +111,7 @@ from cutlass.cute.nvgpu import warp, warpgroup
 from ...config import BwdSm90Config
 from ..common.layout import acc_as_mn, transpose_mn
 from .bwd import DQ_THREADS, NUM_MMA_WG, WG_THREADS, FlashBwdSm90
-from .bwd_types import Barrier, DkvOut, KeyTile, LoadOperands
+from .bwd_types import Barrier, DkvOut, KeyTile, LoadOperands, check_local
 from .pipelines import bulk_reduce_add_f32
 from .wgmma import gemm, make_smem_layout
 
@@ -122,8 +122,10 @@ MMA_THREADS = NUM_MMA_WG * WG_THREADS
 
 class FlashBwdWideSm90(FlashBwdSm90):
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
-                 deterministic: bool = False, varlen: bool = False):
+                 deterministic: bool = False, varlen: bool = False, local: bool = False):
         """Arguments as FlashBwdSm90's; ``cfg`` must be a wide config (tile_n = 64)."""
+        check_local(cfg, causal, local)
+        self.local = local
         if not cfg.wide:
             raise ValueError("FlashBwdWideSm90 needs a wide BwdSm90Config")
         if cfg.persistent:
@@ -375,7 +377,8 @@ class FlashBwdWideSm90(FlashBwdSm90):
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=DQ_THREADS)
                 if const_expr(self.deterministic and t == 0):
                     if lane == 0:
-                        while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != n_block:
+                        turn = self.dq_order(n_block, m_block, seq)
+                        while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
                             pass
                     cute.arch.sync_warp()  # every lane's adds after lane 0's acquire
                     cute.arch.fence_proxy("async.global")
