@@ -1,7 +1,8 @@
-"""Sliding-window (local) forward: flash_cute against FA4's window_size, interleaved in one
-process, TFLOP/s over the pairs a window lets through (4 * d FLOPs per visible query-key pair).
+"""Sliding-window (local) attention: flash_cute against FA4's window_size, interleaved in one
+process, TFLOP/s over the pairs a window lets through (forward 4 * d FLOPs per visible
+query-key pair, backward 2.5x that).
 
-    python bench/window_bench.py [--d 64 128] [--s 4096 16384] [--rounds 3]
+    python bench/window_bench.py [--dir fwd bwd] [--d 64 128] [--s 4096 16384] [--rounds 3]
 
 bf16, 16k tokens per call (batch = 16384 / s), 2048 / d heads, as the grid's cells. Each cell
 first compares the two outputs (max |difference|, a sanity check; the GPU tests hold the
@@ -34,6 +35,7 @@ def main():
     p.add_argument("--d", type=int, nargs="+", default=[64, 128])
     p.add_argument("--s", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dir", nargs="+", default=["fwd"], choices=["fwd", "bwd"])
     a = p.parse_args()
     try:
         from flash_attn.cute import flash_attn_func as fa4
@@ -44,6 +46,11 @@ def main():
             b, h = 16384 // s, 2048 // d
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
+            if "bwd" in a.dir:
+                for window, causal in WINDOWS:
+                    bwd_cell(q, k, v, window, causal, fa4, a.rounds)
+            if "fwd" not in a.dir:
+                continue
             for window, causal in WINDOWS:
                 flops = 4 * d * b * h * visible_pairs(s, s, window, causal)
                 fns = {"flash_cute": lambda: dispatch.fwd(
@@ -68,6 +75,39 @@ def main():
                                   for n, t in times.items())
                 print(f"d={d} s={s} window={window}{' causal' if causal else ''}: {cells} "
                       f"TFLOP/s (max |fc - fa4| {diff:.2e})", flush=True)
+
+
+def bwd_cell(q, k, v, window, causal, fa4, rounds):
+    """One backward cell: autograd.grad through each implementation's forward (run once,
+    outside the timing), dQ / dK / dV compared, then timed in turn."""
+    from flash_cute import flash_attn_func
+    b, s, h, d = q.shape
+    flops = 2.5 * 4 * d * b * h * visible_pairs(s, s, window, causal)
+    dout = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    calls = {"flash_cute": lambda *t: flash_attn_func(*t, causal=causal, window_size=window)}
+    if fa4 is not None:
+        fa_window = tuple(None if w < 0 else w for w in window)
+        calls["fa4"] = lambda *t: fa4(*t, causal=causal, window_size=fa_window)[0]
+    fns, grads = {}, {}
+    for name, call in calls.items():
+        try:
+            out = call(*leaves)
+            fns[name] = (lambda o: lambda: torch.autograd.grad(o, leaves, dout,
+                                                               retain_graph=True))(out)
+            grads[name] = fns[name]()
+        except Exception as e:  # noqa: BLE001 (a peer's refusal ends only its cell)
+            print(f"{name} bwd window={window}: {type(e).__name__}: {e}"[:200])
+    diff = (max((a.float() - b.float()).abs().max().item()
+                for a, b in zip(grads["flash_cute"], grads["fa4"]))
+            if len(grads) == 2 else float("nan"))
+    times = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, f in fns.items():
+            times[n].append(timeit(f))
+    cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}" for n, t in times.items())
+    print(f"bwd d={d} s={s} window={window}{' causal' if causal else ''}: {cells} TFLOP/s "
+          f"(max |grad fc - fa4| {diff:.2e})", flush=True)
 
 
 if __name__ == "__main__":
