@@ -81,13 +81,10 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n, window=
                         # skip_masked_wg: a warpgroup's keys (tile_n / 2, from its first one
                         # at or past key_end_visible, or ending before key_start_visible) are
                         # seen by no row of the block, so it may skip their products.
-                        key_end = block_info.key_end_visible(m, tile_m, sq, sk, causal, right)
-                        key_start = (block_info.key_start_visible(m, tile_m, sq, sk, left)
-                                     if window is not None else 0)
                         wk = tile_n // MMA_WG
                         for w in range(MMA_WG):
-                            first_key = n * tile_n + w * wk
-                            if first_key >= key_end or first_key + wk <= key_start:
+                            if block_info.keys_unseen(n * tile_n + w * wk, wk, m, tile_m, sq,
+                                                      sk, causal, window):
                                 assert not allowed[w * wk:(w + 1) * wk].any(), \
                                     (n, m, w, "a skipped warpgroup has visible scores")
                         kernel_ok = (keys < sk) & ((keys <= rows + off + (right or 0))

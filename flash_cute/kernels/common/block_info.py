@@ -110,6 +110,29 @@ def key_start_visible(m_block: Int32, tile_m: int, seqlen_q: Int32, seqlen_k: In
     return m_block * tile_m + seqlen_k - seqlen_q - window_left
 
 
+def keys_unseen(first_key: Int32, keys: int, m_block: Int32, tile_m: int, seqlen_q: Int32,
+                seqlen_k: Int32, causal: bool, window=None):
+    """Whether no row of query block ``m_block`` sees any of the ``keys`` keys from
+    ``first_key``: all at or past the last row's diagonal (or seqlen_k), or (``window``, a
+    local kernel's bounds) before the first row's window."""
+    right = None if window is None else window[1]
+    unseen = first_key >= key_end_visible(m_block, tile_m, seqlen_q, seqlen_k, causal, right)
+    if window is not None:
+        unseen = unseen | (first_key + keys <= key_start_visible(m_block, tile_m, seqlen_q,
+                                                                 seqlen_k, window[0]))
+    return unseen
+
+
+def n_block_min(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32, seqlen_k: Int32,
+                n_max: Int32, window_left=None) -> Int32:
+    """A query tile's first key block: 0, or the window's first (< n_max, so a tile whose
+    window holds no key still walks one, fully masked, block)."""
+    if window_left is None:
+        return 0
+    return cutlass.min(n_max - 1, n_block_min_window(m_block, tile_m, tile_n, seqlen_q,
+                                                     seqlen_k, window_left))
+
+
 def sees_half_edge(rows_block: Int32, rows: int, n_max: Int32, tile_n: int, seqlen_q: Int32,
                    seqlen_k: Int32, causal: bool):
     """Whether query block ``rows_block`` (of ``rows`` rows: one warpgroup's) sees no key in

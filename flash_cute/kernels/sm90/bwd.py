@@ -845,20 +845,6 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         """dS^T = P^T o (dP^T - D) in place of dP^T (kernels/sm90/bwd_cols.py)."""
         bwd_cols.ds_from_dp(tdPrdP, p_mn, tScS, t0ScS, sD, s, dsum)
 
-    def wg_sees_nothing(self, m_block: Int32, n_block: Int32, wg: Int32, seqlen_q: Int32,
-                        seqlen_k: Int32):
-        """Whether no row of query block ``m_block`` sees any of warpgroup ``wg``'s keys: all
-        at or past the last row's diagonal (or seqlen_k), or (local) before the first row's
-        window."""
-        first = n_block * self.tile_n + wg * KEYS_PER_WG
-        right = None if const_expr(self.window is None) else self.window[1]
-        none = first >= block_info.key_end_visible(m_block, self.tile_m, seqlen_q, seqlen_k,
-                                                   self.causal, right)
-        if const_expr(self.local):
-            none = none | (first + KEYS_PER_WG <= block_info.key_start_visible(
-                m_block, self.tile_m, seqlen_q, seqlen_k, self.window[0]))
-        return none
-
     @cute.jit
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
                mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
@@ -874,7 +860,9 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         block = (m_block, st, masked, mma_sdp, mma_dkv, frags, sQ, sdO, sLSE, sD, pipe_q,
                  pipe_do, scale_log2, n_block, seqlen_q, seqlen_k, q_tail, q_tail_rows)
         if const_expr(masked and self.cfg.skips_masked_wg):
-            if self.wg_sees_nothing(m_block, n_block, wg, seqlen_q, seqlen_k):
+            if block_info.keys_unseen(n_block * self.tile_n + wg * KEYS_PER_WG, KEYS_PER_WG,
+                                      m_block, self.tile_m, seqlen_q, seqlen_k, self.causal,
+                                      self.window):
                 # P^T = dS^T = 0 for all of this warpgroup's keys: only its zero dS^T rows
                 # (the dQ wgmma reads them) and the stage's waits remain.
                 self.zero_q_tail(m_block, st, st, sQ, sdO, pipe_q, pipe_do, q_tail, q_tail_rows)

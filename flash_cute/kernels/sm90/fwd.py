@@ -355,8 +355,8 @@ class FlashFwdSm90:
         n_block_max = lambda m_block, seq: block_info.n_block_max(  # noqa: E731
             m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal,
             window_right)
-        n_block_min = lambda m_block, seq, n_max: self.n_block_min(  # noqa: E731
-            m_block, seq, n_max, window_left)
+        n_block_min = lambda m_block, seq, n_max: block_info.n_block_min(  # noqa: E731
+            m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, n_max, window_left)
 
         kv_head = lambda head: head // (nheads // mK.shape[2])  # noqa: E731
         if const_expr(not self.cfg.persistent):
@@ -472,15 +472,6 @@ class FlashFwdSm90:
                             tile, claimed = scheduler.receive_tile(pipe_tile, claimed, sTile)
                         else:
                             tile = scheduler.next_tile(tile)
-
-    def n_block_min(self, m_block: Int32, seq: SeqlenInfo, n_max: Int32,
-                    window_left: Optional[Int32]):
-        """The tile's first key block: 0, or (local) the window's first (< n_max, so a tile
-        whose window holds no key still walks one masked block)."""
-        if const_expr(not self.local):
-            return 0
-        return cutlass.min(n_max - 1, block_info.n_block_min_window(
-            m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, window_left))
 
     @cute.jit
     def split_walk(self, num_tiles: Int32, tail_ctas: Int32, mK: cute.Tensor):
