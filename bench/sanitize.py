@@ -16,34 +16,36 @@ from flash_cute import flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference import attention_ref, check_close, check_grads_close
 
 
-def grads(q, k, v, dout, causal, upcast):
+def grads(q, k, v, dout, causal, upcast, window=(-1, -1)):
     leaves = [(t.float() if upcast else t).detach().requires_grad_() for t in (q, k, v)]
-    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast)
+    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast, window_size=window)
     return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
 
 
-def check(d, causal, sq, sk, persistent="auto", backward=True, split="auto"):
+def check(d, causal, sq, sk, persistent="auto", backward=True, split="auto",
+          window=(-1, -1)):
     """One call checked against the oracle; ``backward=False``: the forward alone, so that
     racecheck sees no backward kernel (whose staggered dQ hand-off it reports,
-    docs/performance.md session 6). ``split``: FLASH_CUTE_FWD_SPLIT_TAIL."""
+    docs/performance.md session 6). ``split``: FLASH_CUTE_FWD_SPLIT_TAIL; ``window``: a
+    sliding window (the local kernels)."""
     os.environ["FLASH_CUTE_FWD_PERSISTENT"] = persistent
     os.environ["FLASH_CUTE_FWD_SPLIT_TAIL"] = split
     q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
     k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16,
                         requires_grad=backward) for _ in range(2))
-    out = flash_attn_func(q, k, v, causal=causal)
+    out = flash_attn_func(q, k, v, causal=causal, window_size=window)
     if backward:
         dout = torch.randn_like(out)
         got = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
-    ref, _ = attention_ref(q, k, v, causal=causal)
-    low, _ = attention_ref(q, k, v, causal=causal, upcast=False)
+    ref, _ = attention_ref(q, k, v, causal=causal, window_size=window)
+    low, _ = attention_ref(q, k, v, causal=causal, window_size=window, upcast=False)
     check_close(out, ref, low)
     if backward:
-        check_grads_close(got, grads(q, k, v, dout, causal, True),
-                          grads(q, k, v, dout, causal, False))
+        check_grads_close(got, grads(q, k, v, dout, causal, True, window),
+                          grads(q, k, v, dout, causal, False, window))
     print(f"d={d} causal={causal} sq={sq} sk={sk} persistent={persistent} "
-          f"backward={backward}: ok", flush=True)
+          f"backward={backward} window={window}: ok", flush=True)
 
 
 def check_varlen(d, causal, lens=(37, 0, 200, 129)):
@@ -125,11 +127,16 @@ CASES = {
         f"split_tail={on}", 3, lambda: check(d, False, sq, 1000)))
        for d, sq in ((64, 700), (128, 1100)) for on in (0, 1)},
     "varlen128c": lambda: check_varlen(128, True),
+    # Sliding windows (local kernels, session 43): both edges inside the tiles, sq != sk,
+    # the dynamic forward walk over 5 CTAs, and the wide backward (d=256).
+    "window": lambda: (check(128, False, 700, 900, window=(100, 30)),
+                       check(64, False, 900, 900, persistent="dyn:ctas=5", window=(200, -1)),
+                       check(256, True, 300, 200, window=(40, 0))),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
            "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "fwd_qregs", "fwd_split",
-           "varlen128c")
+           "varlen128c", "window")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:
