@@ -83,15 +83,18 @@ def _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, se
 @torch.library.custom_op(
     "flash_cute::fwd", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal,"
-           " bool deterministic=False) -> (Tensor out, Tensor lse)")
-def _fwd(q, k, v, softmax_scale, causal, deterministic=False):
+           " bool deterministic=False, int window_left=-1, int window_right=-1)"
+           " -> (Tensor out, Tensor lse)")
+def _fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1):
     # deterministic only reaches the backward (through the autograd context).
     # Looked up on the module at call time, so tests can stand in a CPU forward.
-    return dispatch.fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return dispatch.fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                        window_size=(window_left, window_right))
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
+              window_right=-1):
     b, sq, h, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((b, h, sq), dtype=torch.float32))
@@ -100,10 +103,12 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
 @torch.library.custom_op(
     "flash_cute::bwd", mutates_args=(),
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
-           " float softmax_scale, bool causal, bool deterministic=False)"
-           " -> (Tensor dq, Tensor dk, Tensor dv)")
-def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
-    return _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+           " float softmax_scale, bool causal, bool deterministic=False,"
+           " int window_left=-1, int window_right=-1) -> (Tensor dq, Tensor dk, Tensor dv)")
+def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, window_left=-1,
+         window_right=-1):
+    return _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
+                        (window_left, window_right))
 
 
 def _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
@@ -111,7 +116,7 @@ def _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
     """(dq, dk, dv): the fused kernels on sm_90 for the head dims they cover; otherwise (or
     FLASH_CUTE_FUSED_BWD=0) the fp32 recompute, which takes any dout layout (it copies to
     fp32). The body of flash_cute::bwd and of FlashAttnFunc.backward. ``window_size``:
-    FA2's (left, right), eager calls only (the custom ops take none)."""
+    FA2's (left, right)."""
     if _fused_bwd_applies(q):
         causal_k, window = dispatch.window_bounds(window_size, causal, q.shape[1], k.shape[1])
         return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
@@ -120,7 +125,7 @@ def _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False):
+def _bwd_fake(dout, q, k, v, out, lse, *args, **kwargs):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -130,13 +135,14 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal = softmax_scale, causal
     ctx.deterministic = bool(rest[0]) if rest else False
+    ctx.window = tuple(rest[1:3]) if len(rest) > 1 else (-1, -1)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     grads = torch.ops.flash_cute.bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                     ctx.deterministic)
+                                     ctx.deterministic, *ctx.window)
     return _input_grads(ctx, grads)
 
 
@@ -173,23 +179,27 @@ def use_custom_ops() -> bool:
     return torch.compiler.is_compiling() or _current_dispatch_mode() is not None
 
 
-# The varlen ops' arguments after q, k, v, in schema order (all from validate_fwd's options;
-# validation leaves window_size, softcap, alibi_slopes and dropout_p at their defaults).
+# The varlen ops' arguments after q, k, v, in schema order up to causal (all from
+# validate_fwd's options; validation leaves softcap, alibi_slopes and dropout_p at their
+# defaults); then deterministic and the window's two sides.
 VARLEN_OP_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q",
                   "max_seqlen_k", "softmax_scale", "causal")
 _VARLEN_SCHEMA = ("Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q,"
                   " Tensor? seqused_k, SymInt max_seqlen_q, SymInt max_seqlen_k,"
-                  " float softmax_scale, bool causal, bool deterministic=False")
+                  " float softmax_scale, bool causal, bool deterministic=False,"
+                  " int window_left=-1, int window_right=-1")
 
 
 @torch.library.custom_op("flash_cute::varlen_fwd", mutates_args=(),
                          schema=f"(Tensor q, Tensor k, Tensor v, {_VARLEN_SCHEMA})"
                                 " -> (Tensor out, Tensor lse)")
 def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal, deterministic=False):
+                max_seqlen_k, softmax_scale, causal, deterministic=False, window_left=-1,
+                window_right=-1):
     return dispatch.fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
-                        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
+                        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                        window_size=(window_left, window_right))
 
 
 @_varlen_fwd.register_fake
@@ -203,10 +213,11 @@ def _varlen_fwd_fake(q, k, v, *args, **kwargs):
                                 f" Tensor lse, {_VARLEN_SCHEMA})"
                                 " -> (Tensor dq, Tensor dk, Tensor dv)")
 def _varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False):
+                max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False,
+                window_left=-1, window_right=-1):
     return varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
                       seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                      deterministic)
+                      deterministic, (window_left, window_right))
 
 
 @_varlen_bwd.register_fake
@@ -217,7 +228,8 @@ def _varlen_bwd_fake(dout, q, k, v, *args, **kwargs):
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, used_q, used_k, *rest = inputs
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, used_q, used_k)
-    ctx.scalars = tuple(rest[:4]) + ((bool(rest[4]),) if len(rest) > 4 else (False,))
+    ctx.scalars = (tuple(rest[:4]) + ((bool(rest[4]),) if len(rest) > 4 else (False,))
+                   + (tuple(rest[5:7]) if len(rest) > 5 else (-1, -1)))
     ctx.mark_non_differentiable(output[1])
 
 

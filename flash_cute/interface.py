@@ -30,12 +30,8 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
     if why is not None:
         raise NotImplementedError(f"flash_cute: unsupported option {why}")
     causal, window = dispatch.window_bounds(opts["window_size"], opts["causal"], 0, 0)
-    if window is None:  # no bound beyond causal's: the causal or plain kernels, any path
+    if window is None:  # no bound beyond causal's: the causal or plain kernels
         opts.update(causal=causal, window_size=(-1, -1))
-    elif use_custom_ops():
-        raise NotImplementedError(
-            f"flash_cute: window_size={opts['window_size']} under torch.compile or a dispatch "
-            f"mode: the flash_cute:: custom ops take no window yet (call it eagerly)")
     if not use_custom_ops():  # eager: the same functions without the dispatcher's cost
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = FlashAttnFunc.apply(q, k, v, opts, deterministic)
@@ -43,11 +39,11 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
             out, lse = dispatch.fwd(q, k, v, **opts)
     elif varlen:
         out, lse = torch.ops.flash_cute.varlen_fwd(q, k, v, *(opts[n] for n in VARLEN_OP_ARGS),
-                                                   deterministic)
+                                                   deterministic, *opts["window_size"])
     else:
         # The check above leaves every other option at its default, so the op needs only these.
         out, lse = torch.ops.flash_cute.fwd(q, k, v, opts["softmax_scale"], opts["causal"],
-                                            deterministic)
+                                            deterministic, *opts["window_size"])
     return (out, lse, None) if return_attn_probs else out
 
 

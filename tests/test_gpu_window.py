@@ -13,8 +13,8 @@ import torch
 
 from flash_cute import dispatch, flash_attn_func, flash_attn_varlen_func
 from gpu_support import (ON_CPU, _cpu_standin,  # noqa: F401 (autouse)
-                         check_grads, gpu_module_marks, qkv_inputs, rand, run_and_check,
-                         varlen_inputs)
+                         assert_compiled_equals_eager, check_grads, gpu_module_marks,
+                         qkv_inputs, rand, run_and_check, varlen_inputs)
 from test_gpu_varlen import check_varlen_grads, varlen_run_and_check
 
 pytestmark = gpu_module_marks()
@@ -129,6 +129,16 @@ def test_window_equivalent_to_causal_takes_its_path():
         grads.append((out, *torch.autograd.grad(out, leaves, dout)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), *grads):
         assert torch.equal(a, b), name
+
+
+def test_window_torch_compile_matches_eager():
+    """The flash_cute:: custom ops carry the window: torch.compile(fullgraph) gives the eager
+    outputs and gradients bit for bit."""
+    q, k, v = qkv_inputs(2, 300, 400, 4, 2, 128, seed=9)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    dout = rand(2, 300, 4, 128, seed=11)
+    assert_compiled_equals_eager(lambda *t: flash_attn_func(*t, window_size=(64, 8)), leaves,
+                                 dout)
 
 
 @pytest.mark.skipif(ON_CPU, reason="compile counts need the kernels")

@@ -374,3 +374,69 @@ def test_interim_varlen_bwd_matches_reference_autograd(data):
             if out.requires_grad else [torch.zeros_like(t) for t in leaves])
     for name, a, w in zip("qkv", got, want):
         torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ---- sliding windows through both paths (eager Function and the custom ops)
+
+WINDOWS = [(2, 0), (1, 3), (-1, 2), (4, -1)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_window_eager_grads(standin, window):
+    """A window reaches the forward and the (interim, off-GPU) backward: the oracle's
+    gradients with the same window."""
+    q, k, v = rand(2, 6, 4, 64), rand(2, 9, 2, 64, seed=1), rand(2, 9, 2, 64, seed=2)
+    dout = rand(2, 6, 4, 64, seed=3, grad=False)
+    out = flash_cute.flash_attn_func(q, k, v, window_size=window)
+    assert standin[-1]["window_size"] == window
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    for g, want in zip(got, ref_grads(q, k, v, dout, window_size=window)):
+        torch.testing.assert_close(g, want.to(BF16), **ONE_BF16_STEP)
+
+
+@pytest.mark.parametrize("window", WINDOWS[:2])
+def test_opcheck_window(standin, window):
+    q, k, v = (rand(2, 5, 4, 64, grad=False), rand(2, 7, 2, 64, seed=1, grad=False),
+               rand(2, 7, 2, 64, seed=2, grad=False))
+    torch.library.opcheck(torch.ops.flash_cute.fwd.default, (q, k, v, 0.3, False, False,
+                                                             *window), test_utils=OPCHECK_TESTS)
+    out, lse = torch.ops.flash_cute.fwd(q, k, v, 0.3, False, False, *window)
+    dout = rand(2, 5, 4, 64, seed=3, grad=False)
+    torch.library.opcheck(torch.ops.flash_cute.bwd.default,
+                          (dout, q, k, v, out, lse, 0.3, False, False, *window),
+                          test_utils=OPCHECK_TESTS)
+    cu, used, q, k, v = _varlen_case()
+    q, k, v = (t.detach() for t in (q, k, v))
+    args = (cu, cu, used, used, 6, 6, 0.3, False, False, *window)
+    torch.library.opcheck(torch.ops.flash_cute.varlen_fwd.default, (q, k, v, *args),
+                          test_utils=OPCHECK_TESTS)
+
+
+def test_torch_compile_window_fullgraph(standin):
+    """torch.compile over a windowed call, batched and varlen: one graph, the op node, the
+    eager gradients bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def loss(q, k, v):
+        return flash_cute.flash_attn_func(q, k, v, window_size=(3, 1)).float().square().mean()
+
+    def loss_varlen(q, k, v, cu):
+        out = flash_cute.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, window_size=(2, 0))
+        return out.float().square().mean()
+
+    cu, _, qv, kv, vv = _varlen_case()
+    cases = ((loss, (rand(2, 6, 4, 64), rand(2, 8, 2, 64, seed=1), rand(2, 8, 2, 64, seed=2)),
+              "flash_cute.fwd"), (loss_varlen, (qv, kv, vv, cu), "flash_cute.varlen_fwd"))
+    for fn, args, op in cases:
+        counter = CompileCounterWithBackend("aot_eager")
+        torch._dynamo.reset()
+        try:
+            leaves = [a for a in args if a.requires_grad]
+            got = torch.autograd.grad(torch.compile(fn, fullgraph=True, backend=counter)(*args),
+                                      leaves)
+        finally:
+            torch._dynamo.reset()
+        assert counter.frame_count == 1 and op in counter.graphs[0].code
+        want = torch.autograd.grad(fn(*args), leaves)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)

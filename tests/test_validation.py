@@ -331,17 +331,6 @@ def test_varlen_unsupported_options_named(on_cpu):
         flash_cute.flash_attn_varlen_func(q, k, v, **cu, softcap=30.0)
 
 
-def test_window_under_custom_ops_refused(on_cpu, monkeypatch):
-    """The flash_cute:: custom ops (torch.compile, dispatch modes) take no window yet:
-    refused before any launch; (-1, 0) is causal and goes through them."""
-    monkeypatch.setattr(interface, "use_custom_ops", lambda: True)
-    with pytest.raises(NotImplementedError, match=r"window_size=\(4, 0\) under torch.compile"):
-        flash_cute.flash_attn_func(*batched(), window_size=(4, 0))
-    (q, k, v), cu = varlen_args()
-    with pytest.raises(NotImplementedError, match="custom ops take no window"):
-        flash_cute.flash_attn_varlen_func(q, k, v, **cu, window_size=(0, 4))
-
-
 @pytest.mark.parametrize("window,causal,expected", [
     ((-1, -1), False, (False, None)), ((-1, -1), True, (True, None)),
     ((-1, 0), False, (True, None)), ((7, -1), True, (True, (7, 0))),
