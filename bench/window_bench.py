@@ -9,6 +9,7 @@ first compares the two outputs (max |difference|, a sanity check; the GPU tests 
 oracle comparison), then times them in turn, median of ``rounds`` medians.
 """
 import argparse
+import os
 import statistics
 
 import torch
@@ -16,8 +17,8 @@ import torch
 from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from flash_cute import dispatch
 
-WINDOWS = [((256, 0), False), ((1024, 0), False), ((4096, 0), False), ((512, 512), False),
-           ((2048, -1), True)]
+WINDOWS = [((128, 0), False), ((256, 0), False), ((1024, 0), False), ((4096, 0), False),
+           ((512, 512), False), ((2048, -1), True)]
 
 
 def visible_pairs(sq: int, sk: int, window, causal: bool) -> int:
@@ -36,6 +37,9 @@ def main():
     p.add_argument("--s", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", nargs="+", default=["fwd"], choices=["fwd", "bwd"])
+    p.add_argument("--wide-too", action="store_true",
+                   help="forward: also flash_cute planned on seqlen_q alone (A/B of "
+                        "dispatch.LOCAL_NARROW_ENV)")
     a = p.parse_args()
     try:
         from flash_attn.cute import flash_attn_func as fa4
@@ -55,6 +59,9 @@ def main():
                 flops = 4 * d * b * h * visible_pairs(s, s, window, causal)
                 fns = {"flash_cute": lambda: dispatch.fwd(
                     q, k, v, softmax_scale=d ** -0.5, causal=causal, window_size=window)}
+                if a.wide_too:
+                    fns["fc_seqlen_plan"] = lambda: with_env(
+                        dispatch.LOCAL_NARROW_ENV, "0", fns["flash_cute"])
                 if fa4 is not None:
                     fa_window = tuple(None if w < 0 else w for w in window)
                     fns["fa4"] = lambda: fa4(q, k, v, causal=causal, window_size=fa_window)[0]
@@ -75,6 +82,19 @@ def main():
                                   for n, t in times.items())
                 print(f"d={d} s={s} window={window}{' causal' if causal else ''}: {cells} "
                       f"TFLOP/s (max |fc - fa4| {diff:.2e})", flush=True)
+
+
+def with_env(name, value, fn):
+    """fn() with one environment variable set (read per call by the dispatcher)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def bwd_cell(q, k, v, window, causal, fa4, rounds):

@@ -50,6 +50,9 @@ CONFIG_FWD_ENV = "FLASH_CUTE_FWD_CONFIG"
 SPLIT_TAIL_ENV = "FLASH_CUTE_FWD_SPLIT_TAIL"
 SPLIT_TAIL_DEFAULT = "auto"
 SPLIT_TAIL_MODES = ("auto", "0", "kernel", "all")
+# A sliding window's narrow tile (config.NARROW_FWD) where its span (left + right + 1 keys)
+# is as short as the short causal calls that take it; "0" plans on seqlen_q alone (A/B runs).
+LOCAL_NARROW_ENV = "FLASH_CUTE_FWD_LOCAL_NARROW"
 
 
 def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
@@ -397,7 +400,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         lse.fill_(-math.inf)
         return out, lse
     arch = _device_arch(q.device)
-    plan = fwd_plan(d, bool(causal), b * h, sq, sk, q.device)
+    plan = fwd_plan(d, bool(causal), b * h, sq, sk, q.device, window=window)
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                             persistent=plan.ctas is not None, dynamic=plan.dynamic,
                             narrow=plan.narrow, own_o=plan.own_o, split=plan.split,
@@ -427,11 +430,15 @@ class FwdPlan(NamedTuple):
 
 
 def fwd_plan(d: int, causal: bool, num_hb: int, sq: int, sk: int, device=None,
-             sms: int | None = None) -> FwdPlan:
+             sms: int | None = None, window=None) -> FwdPlan:
     """What dispatch.fwd runs for a batched call of num_hb (batch x heads) pairs, sq queries
-    and sk keys (> 0 each), on ``device`` or, without one, a GPU of ``sms`` SMs. Reads the
-    environment's overrides (PERSISTENT_FWD_ENV, SPLIT_TAIL_ENV)."""
-    narrow = narrow_fwd(d, causal, sq)
+    and sk keys (> 0 each), on ``device`` or, without one, a GPU of ``sms`` SMs; ``window``:
+    a local call's finite bounds (window_bounds). Reads the environment's overrides
+    (PERSISTENT_FWD_ENV, SPLIT_TAIL_ENV, LOCAL_NARROW_ENV)."""
+    rows = sq  # what the narrow tile is chosen on: a row's keys as in a causal call of sq
+    if window is not None and os.environ.get(LOCAL_NARROW_ENV, "1") != "0":
+        rows = min(sq, window[0] + window[1] + 1)
+    narrow = narrow_fwd(d, causal, rows)
     tile_m = fwd_tile_m(d, narrow)
     ctas, dynamic = _persistent_ctas(device, d, causal, sq, num_hb, tile_m, sms) or (None, False)
     own_o = fwd_own_o(d, causal, sk)
