@@ -40,6 +40,8 @@ def main():
     p.add_argument("--wide-too", action="store_true",
                    help="forward: also flash_cute planned on seqlen_q alone (A/B of "
                         "dispatch.LOCAL_NARROW_ENV)")
+    p.add_argument("--narrow-span", type=int, default=0,
+                   help="forward: also flash_cute with the narrow tile for spans up to this")
     a = p.parse_args()
     try:
         from flash_attn.cute import flash_attn_func as fa4
@@ -62,6 +64,9 @@ def main():
                 if a.wide_too:
                     fns["fc_seqlen_plan"] = lambda: with_env(
                         dispatch.LOCAL_NARROW_ENV, "0", fns["flash_cute"])
+                if a.narrow_span:
+                    fns[f"fc_narrow{a.narrow_span}"] = lambda: with_env(
+                        dispatch.LOCAL_NARROW_ENV, f"span={a.narrow_span}", fns["flash_cute"])
                 if fa4 is not None:
                     fa_window = tuple(None if w < 0 else w for w in window)
                     fns["fa4"] = lambda: fa4(q, k, v, causal=causal, window_size=fa_window)[0]

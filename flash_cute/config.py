@@ -219,6 +219,11 @@ NARROW_FWD = {64: {"num_consumer_wg": 2, "skip_empty_wg": False, **LAZY},  # ski
               192: {"tile_n": 64}, 256: {"tile_n": 64}}
 # The longest query length measured to gain (d=64: 2k-4k unmeasured; d=192: 1.5k unmeasured).
 NARROW_FWD_MAX_SEQLEN_Q = {64: 1024, 192: 1024, 256: 2048}
+# Sliding windows take NARROW_FWD[d] up to this span (left + right + 1 keys) at any query
+# length. H100, session 43 (bench/window_bench.py, TFLOP/s wide / narrow, 4k and 16k): d=64
+# spans 129 / 257: 95 / 120, 153 / 193; 1025: 333 / 362, 339 / 367; 4097: 458 / 446, 460 /
+# 446 (so 2048); d=256 spans 129-1025 +3-7%, 4097 +1.5% (kept at 2048); d=192 not measured.
+LOCAL_NARROW_MAX_SPAN = {64: 2048, 192: 1024, 256: 2048}
 
 
 def narrow_fwd(d: int, causal: bool, seqlen_q: int) -> bool:

@@ -21,8 +21,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .config import (SUPPORTED_HEAD_DIMS, VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config,
-                     fwd_config, fwd_l2_budget, fwd_overrides, fwd_own_o, fwd_tile_m,
+from .config import (LOCAL_NARROW_MAX_SPAN, NARROW_FWD, SUPPORTED_HEAD_DIMS,
+                     VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config, fwd_config, fwd_l2_budget,
+                     fwd_overrides, fwd_own_o, fwd_tile_m,
                      heads_per_section, l2_sections, narrow_fwd, parse_config_spec,
                      persistent_fwd_order, persistent_fwd_overrides, persistent_fwd_walk,
                      split_tail_min_idle, split_tail_ctas)
@@ -50,8 +51,9 @@ CONFIG_FWD_ENV = "FLASH_CUTE_FWD_CONFIG"
 SPLIT_TAIL_ENV = "FLASH_CUTE_FWD_SPLIT_TAIL"
 SPLIT_TAIL_DEFAULT = "auto"
 SPLIT_TAIL_MODES = ("auto", "0", "kernel", "all")
-# A sliding window's narrow tile (config.NARROW_FWD) where its span (left + right + 1 keys)
-# is as short as the short causal calls that take it; "0" plans on seqlen_q alone (A/B runs).
+# A sliding window's narrow tile (config.NARROW_FWD) up to config.LOCAL_NARROW_MAX_SPAN keys
+# of span (left + right + 1); "0" plans on seqlen_q alone, "span=N" takes it for every span
+# of at most N keys (A/B runs).
 LOCAL_NARROW_ENV = "FLASH_CUTE_FWD_LOCAL_NARROW"
 
 
@@ -435,10 +437,12 @@ def fwd_plan(d: int, causal: bool, num_hb: int, sq: int, sk: int, device=None,
     and sk keys (> 0 each), on ``device`` or, without one, a GPU of ``sms`` SMs; ``window``:
     a local call's finite bounds (window_bounds). Reads the environment's overrides
     (PERSISTENT_FWD_ENV, SPLIT_TAIL_ENV, LOCAL_NARROW_ENV)."""
-    rows = sq  # what the narrow tile is chosen on: a row's keys as in a causal call of sq
-    if window is not None and os.environ.get(LOCAL_NARROW_ENV, "1") != "0":
-        rows = min(sq, window[0] + window[1] + 1)
-    narrow = narrow_fwd(d, causal, rows)
+    narrow = narrow_fwd(d, causal, sq)
+    mode = os.environ.get(LOCAL_NARROW_ENV, "1")
+    if window is not None and mode != "0" and d in NARROW_FWD:
+        limit = (int(mode[len("span="):]) if mode.startswith("span=")
+                 else LOCAL_NARROW_MAX_SPAN[d])
+        narrow = narrow or window[0] + window[1] + 1 <= limit
     tile_m = fwd_tile_m(d, narrow)
     ctas, dynamic = _persistent_ctas(device, d, causal, sq, num_hb, tile_m, sms) or (None, False)
     own_o = fwd_own_o(d, causal, sk)

@@ -222,6 +222,23 @@ def test_every_plan_is_a_shipped_kernel(d, causal, num_hb, sq, sk, sms):
     assert (d, causal, False, flags) in _SHIPPED
 
 
+@given(st.sampled_from(SUPPORTED_HEAD_DIMS), st.integers(1, 4096), st.integers(1, 1 << 17),
+       st.integers(1, 1 << 17), st.sampled_from((132, 78)),
+       st.tuples(st.integers(-1, 5000), st.integers(-1, 5000)))
+def test_every_window_plan_is_a_shipped_kernel(d, num_hb, sq, sk, sms, window):
+    """Sliding windows too (the narrow tile chosen on the window's span)."""
+    global _SHIPPED
+    causal, bounds = dispatch.window_bounds(window, False, sq, sk)
+    env = {k: v for k, v in os.environ.items() if k not in (
+        dispatch.PERSISTENT_FWD_ENV, dispatch.SPLIT_TAIL_ENV, dispatch.LOCAL_NARROW_ENV)}
+    with mock.patch.dict(os.environ, env, clear=True):
+        _SHIPPED = _SHIPPED or set(dispatch.shipped_fwd_kernels())
+        p = dispatch.fwd_plan(d, causal, num_hb, sq, sk, sms=sms, window=bounds)
+    flags = dispatch.kernel_flags(p.ctas is not None, p.dynamic, p.narrow, p.own_o, p.split,
+                                  bounds is not None)
+    assert (d, causal, False, flags) in _SHIPPED
+
+
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,deterministic", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("env", ["", "split_tail=1"])
