@@ -246,7 +246,8 @@ def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, s
                window_size=(-1, -1)):
     """(dq, dk, dv) of varlen attention: the fused kernels (backward.varlen_bwd) where they
     apply; otherwise the fp32 recompute per sequence (slow, O(s^2) memory). The body of
-    flash_cute::varlen_bwd and of FlashAttnFunc.backward (``window_size``: its only)."""
+    flash_cute::varlen_bwd and of FlashAttnFunc.backward. ``window_size``: FA2's (left,
+    right)."""
     if _fused_bwd_applies(q):
         causal_k, window = dispatch.window_bounds(window_size, causal, max_seqlen_q,
                                                   max_seqlen_k)

@@ -42,8 +42,8 @@ The wide kernel is checked on the H200 by bench/check_bwd.py and bench/check_var
 
 ``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` when the tensors are on an sm_90 GPU
 and ``unsupported_bwd_option`` returns None (d 64/96/128/192/256, batched and varlen, plain,
-causal, GQA, deterministic); otherwise, or with ``FLASH_CUTE_FUSED_BWD=0``, it runs the fp32
-recompute.
+causal, sliding window, GQA, deterministic); otherwise, or with ``FLASH_CUTE_FUSED_BWD=0``, it
+runs the fp32 recompute.
 
 Compilation follows ``flash_cute.dispatch``: fake tensors with symbolic sizes and strides, so the
 cache key holds only code-changing values (arch, dtype, head dim, causal, GQA) and never a
@@ -159,8 +159,8 @@ def _sms_override(sms: int) -> int:
     return min(override, sms) if override > 0 else sms
 
 
-def unsupported_bwd_option(*, head_dim: int, window_size=(-1, -1),
-                           softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0):
+def unsupported_bwd_option(*, head_dim: int, softcap: float = 0.0, alibi_slopes=None,
+                           dropout_p: float = 0.0):
     """Why the fused backward cannot run this call (a string), or None if it can (batched
     and varlen alike)."""
     if head_dim not in BWD_SUPPORTED_HEAD_DIMS:

@@ -57,7 +57,7 @@ SPLIT_TAIL_MODES = ("auto", "0", "kernel", "all")
 LOCAL_NARROW_ENV = "FLASH_CUTE_FWD_LOCAL_NARROW"
 
 
-def unsupported_fwd_option(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def unsupported_fwd_option(*, dropout_p=0.0, softcap=0.0, alibi_slopes=None):
     """Name of the first option the forward kernels cannot run yet, or None."""
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p} (dropout is not implemented; pass 0.0)"
@@ -382,7 +382,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse fp32 (b, h, sq).
     Varlen: q (total_q, h, d) with cu_seqlens_* -> out like q, lse fp32 (h, total_q).
     """
-    why = unsupported_fwd_option(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+    why = unsupported_fwd_option(dropout_p=dropout_p, softcap=softcap,
                                  alibi_slopes=alibi_slopes)
     if why is not None:
         raise NotImplementedError(f"flash_cute forward: unsupported option {why}")

@@ -25,7 +25,7 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
     opts = validation.validate_fwd(q, k, v, validate_cu_seqlens=validate_cu_seqlens,
                                    require_cuda=_REQUIRE_CUDA, **options)
     why = dispatch.unsupported_fwd_option(
-        dropout_p=opts["dropout_p"], window_size=opts["window_size"], softcap=opts["softcap"],
+        dropout_p=opts["dropout_p"], softcap=opts["softcap"],
         alibi_slopes=opts["alibi_slopes"])
     if why is not None:
         raise NotImplementedError(f"flash_cute: unsupported option {why}")

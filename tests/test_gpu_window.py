@@ -19,6 +19,10 @@ from test_gpu_varlen import check_varlen_grads, varlen_run_and_check
 
 pytestmark = gpu_module_marks()
 
+def case_ids(cases):
+    return [f"{a}x{b}-w{w[0]}_{w[1]}{'-c' if c else ''}" for a, b, w, c in cases]
+
+
 # (sq, sk, window, causal): square and unequal lengths (bottom-right alignment moves the
 # diagonal by sk - sq), one-token calls, windows of zero width, a block wide, across many
 # blocks, one side unbounded, and wider than every key.
@@ -41,9 +45,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-@pytest.mark.parametrize("sq,sk,window,causal", CASES,
-                         ids=[f"{a}x{b}-w{w[0]}_{w[1]}{'-c' if c else ''}"
-                              for a, b, w, c in CASES])
+@pytest.mark.parametrize("sq,sk,window,causal", CASES, ids=case_ids(CASES))
 def test_window_forward(sq, sk, window, causal, d):
     q, k, v = qkv_inputs(2, sq, sk, 2, 1, d, seed=sq + sk + d)
     run_and_check(q, k, v, causal=causal, window_size=window)
@@ -88,9 +90,7 @@ GRAD_CASES = [
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-@pytest.mark.parametrize("sq,sk,window,causal", GRAD_CASES,
-                         ids=[f"{a}x{b}-w{w[0]}_{w[1]}{'-c' if c else ''}"
-                              for a, b, w, c in GRAD_CASES])
+@pytest.mark.parametrize("sq,sk,window,causal", GRAD_CASES, ids=case_ids(GRAD_CASES))
 def test_window_grads(sq, sk, window, causal, d):
     q, k, v = qkv_inputs(2, sq, sk, 2, 1, d, seed=sq + sk + d)
     check_grads(q, k, v, (0, 1, 2), causal=causal, window_size=window)
