@@ -132,6 +132,12 @@ CASES = {
     "window": lambda: (check(128, False, 700, 900, window=(100, 30)),
                        check(64, False, 900, 900, persistent="dyn:ctas=5", window=(200, -1)),
                        check(256, True, 300, 200, window=(40, 0))),
+    # ... forward only (racecheck's reports on the backward are its dQ hand-off, session 6):
+    # the one-tile and dynamic walks, and d=64's narrow tile for a short window.
+    "window_fwd": lambda: (check(128, False, 700, 900, window=(100, 30), backward=False),
+                           check(64, False, 900, 900, persistent="dyn:ctas=5",
+                                 window=(200, -1), backward=False),
+                           check(64, True, 1500, 1500, window=(128, 0), backward=False)),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",

@@ -225,6 +225,11 @@ NARROW_FWD_MAX_SEQLEN_Q = {64: 1024, 192: 1024, 256: 2048}
 # 446 (so 2048); d=256 spans 129-1025 +3-7%, 4097 +1.5% (kept at 2048); d=192 not measured.
 LOCAL_NARROW_MAX_SPAN = {64: 2048, 192: 1024, 256: 2048}
 
+# Softcapped forward kernels differ from their twins where ptxas serialized every wgmma
+# (C7512) once the tanh joined the softmax (session 44, SASS): (d, varlen, narrow) -> fields.
+SOFTCAP_FWD_OVERRIDES = {(128, True, False): {"q_in_regs": False},
+                         (256, False, True): {"packed_p_cvt": False}}
+
 
 def narrow_fwd(d: int, causal: bool, seqlen_q: int) -> bool:
     """Whether a batched forward call takes NARROW_FWD[d] (chosen per call; compiled once)."""

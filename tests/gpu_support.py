@@ -89,18 +89,21 @@ def qkv_inputs(b, sq, sk, h, hk, d, dtype=BF16, seed=0, scale=1.0):
             rand(b, sk, hk, d, dtype=dtype, seed=seed + 2, scale=scale))
 
 
-def run_and_check(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+def run_and_check(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                  softcap=0.0):
     """flash_cute vs the oracle: out and lse, finite outputs, inputs left untouched."""
     before = [t.clone() for t in (q, k, v)]
     poison_allocator()
     out, lse, probs = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                      window_size=window_size, return_attn_probs=True)
+                                      window_size=window_size, softcap=softcap,
+                                      return_attn_probs=True)
     b, sq, h, _ = q.shape
     assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
     assert probs is None
     assert torch.isfinite(out).all(), "out has non-finite values (unwritten or overflowed)"
-    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+              softcap=softcap)
     ref, ref_lse = attention_ref(q, k, v, **kw)
     low, low_lse = attention_ref(q, k, v, upcast=False, **kw)
     check_close(out, ref, low, name="out")
@@ -122,16 +125,18 @@ def oracle_grads(q, k, v, dout, wanted, *, upcast, **kw):
 
 
 def check_grads(q, k, v, wanted, *, causal=False, softmax_scale=None, seed=10,
-                window_size=(-1, -1), deterministic=False):
+                window_size=(-1, -1), deterministic=False, softcap=0.0):
     """flash_cute's dq/dk/dv (for the inputs in ``wanted``) vs the oracle's fp32 autograd;
     returns them."""
     leaves = [t.detach().clone().requires_grad_(i in wanted) for i, t in enumerate((q, k, v))]
     poison_allocator()
     out = flash_attn_func(*leaves, causal=causal, softmax_scale=softmax_scale,
-                          window_size=window_size, deterministic=deterministic)
+                          window_size=window_size, deterministic=deterministic,
+                          softcap=softcap)
     dout = rand(*out.shape, dtype=out.dtype, seed=seed)
     got = torch.autograd.grad(out, [leaves[i] for i in wanted], dout)
-    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+              softcap=softcap)
     ref = oracle_grads(q, k, v, dout, wanted, upcast=True, **kw)
     low = oracle_grads(q, k, v, dout, wanted, upcast=False, **kw)
     names = ["d" + "qkv"[i] for i in wanted]
@@ -170,19 +175,20 @@ def cu_seqlens(lens):
     return torch.tensor([0, *lens], device=DEVICE).cumsum(0).to(torch.int32)
 
 
-def varlen_inputs(lens_q, lens_k, h, hk, d, dtype=BF16, seed=0, grad=False):
+def varlen_inputs(lens_q, lens_k, h, hk, d, dtype=BF16, seed=0, grad=False, scale=1.0):
     """q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k."""
-    q = rand(sum(lens_q), h, d, dtype=dtype, seed=seed, grad=grad)
-    k = rand(sum(lens_k), hk, d, dtype=dtype, seed=seed + 1, grad=grad)
-    v = rand(sum(lens_k), hk, d, dtype=dtype, seed=seed + 2, grad=grad)
+    q = rand(sum(lens_q), h, d, dtype=dtype, seed=seed, grad=grad, scale=scale)
+    k = rand(sum(lens_k), hk, d, dtype=dtype, seed=seed + 1, grad=grad, scale=scale)
+    v = rand(sum(lens_k), hk, d, dtype=dtype, seed=seed + 2, grad=grad, scale=scale)
     return q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(max(lens_q), 1), max(max(lens_k), 1)
 
 
 def varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, *, causal, deterministic=False,
-                 window_size=(-1, -1), **used):
+                 window_size=(-1, -1), softcap=0.0, **used):
     """(dq, dk, dv) of flash_attn_varlen_func, on poisoned output memory."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     poison_allocator()
     out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=causal,
-                                 deterministic=deterministic, window_size=window_size, **used)
+                                 deterministic=deterministic, window_size=window_size,
+                                 softcap=softcap, **used)
     return torch.autograd.grad(out, leaves, dout)

@@ -144,13 +144,14 @@ def test_every_shipped_kernel_is_compiled_here():
     here |= {_config(d, c, True, fwd_overrides(d, c, persistent=True, dynamic=c, own_o=o,
                                                varlen=True)) for d, c, o in PERSISTENT_VARLEN}
     for d, causal, varlen, flags in dispatch.shipped_fwd_kernels():
-        if "local" in flags:  # test_fwd_local_variant_compiles builds each of them
+        if "local" in flags or "softcap" in flags:  # the two tests below build each of them
             continue
         overrides = dispatch.kernel_overrides(d, causal, varlen, flags)
         assert _config(d, causal, varlen, overrides) in here, (d, causal, varlen, flags)
 
 
-LOCAL = [k for k in dispatch.shipped_fwd_kernels() if "local" in k[3]]
+LOCAL = [k for k in dispatch.shipped_fwd_kernels()
+         if "local" in k[3] and "softcap" not in k[3]]
 
 
 @pytest.mark.parametrize("d,causal,varlen,flags", LOCAL, ids=lambda v: str(v))
@@ -175,6 +176,29 @@ def test_fwd_local_variant_compiles(d, causal, varlen, flags, tmp_path, monkeypa
 
 
 LOCAL_SPILL_WORDS = {(64, True): 8, (96, True): 8}
+
+SOFTCAP = [k for k in dispatch.shipped_fwd_kernels() if "softcap" in k[3]]
+
+
+@pytest.mark.parametrize("d,causal,varlen,flags", SOFTCAP, ids=lambda v: str(v))
+def test_fwd_softcap_variant_compiles(d, causal, varlen, flags, tmp_path, monkeypatch):
+    """Every softcapped kernel the calls pick (the softcap twin of each kernel, local ones
+    too): its twin's HGMMA, one MUFU.TANH per score besides the exp2s, no new spills (the
+    persistent varlen local walk's known few, LOCAL_SPILL_WORDS), wgmma not serialized."""
+    monkeypatch.chdir(tmp_path)
+    plain = tuple(f for f in flags if f != "softcap")
+    local = "local" in flags
+    ops = sass_opcodes(dispatch._compile_fwd(
+        ARCH, "BFloat16", d, causal, varlen, keep_cubin=True, local=local, softcap=True,
+        **dispatch.kernel_overrides(d, causal, varlen, flags)).__cubin__, tmp_path)
+    twin = sass_opcodes(dispatch._compile_fwd(
+        ARCH, "BFloat16", d, causal, varlen, keep_cubin=True, local=local,
+        **dispatch.kernel_overrides(d, causal, varlen, plain)).__cubin__, tmp_path)
+    assert ops.get("HGMMA", 0) == twin["HGMMA"] > 0, (ops.get("HGMMA"), twin["HGMMA"])
+    assert ops.get("MUFU", 0) > twin.get("MUFU", 0), "no tanh"
+    spill_words = LOCAL_SPILL_WORDS.get((d, varlen), 0) if local else 0
+    assert ops.get("STL", 0) <= spill_words and ops.get("LDL", 0) <= spill_words, ops
+    assert_wgmma_not_serialized(ops)
 
 
 def test_local_needs_a_plain_causal_config():

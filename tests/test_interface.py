@@ -358,6 +358,7 @@ def test_interim_varlen_bwd_matches_reference_autograd(data):
     causal = data.draw(st.booleans(), label="causal")
     hk = data.draw(st.sampled_from([1, 2]), label="hk")
     used = data.draw(st.booleans(), label="seqused")
+    softcap = data.draw(st.sampled_from([0.0, 0.7, 5.0]), label="softcap")
     cu_q, cu_k = (torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
                   for lens in (lens_q, lens_k))
     g = torch.Generator().manual_seed(sum(lens_q) * 31 + sum(lens_k))
@@ -366,10 +367,11 @@ def test_interim_varlen_bwd_matches_reference_autograd(data):
     dout = torch.randn(q.shape, generator=g)
     uq = torch.tensor([n - n // 3 for n in lens_q], dtype=torch.int32) if used else None
     uk = torch.tensor([n - n // 4 for n in lens_k], dtype=torch.int32) if used else None
-    got = _interim_varlen_bwd(dout, q, k, v, cu_q, cu_k, uq, uk, 0.2, causal)
+    got = _interim_varlen_bwd(dout, q, k, v, cu_q, cu_k, uq, uk, 0.2, causal,
+                              softcap=softcap)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, _ = attention_ref(*leaves, softmax_scale=0.2, causal=causal, cu_seqlens_q=cu_q,
-                           cu_seqlens_k=cu_k, seqused_q=uq, seqused_k=uk)
+                           cu_seqlens_k=cu_k, seqused_q=uq, seqused_k=uk, softcap=softcap)
     want = (torch.autograd.grad(out, leaves, dout, allow_unused=True, materialize_grads=True)
             if out.requires_grad else [torch.zeros_like(t) for t in leaves])
     for name, a, w in zip("qkv", got, want):
@@ -440,3 +442,73 @@ def test_torch_compile_window_fullgraph(standin):
         want = torch.autograd.grad(fn(*args), leaves)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
+
+
+# ---- softcapping through both paths
+
+SOFTCAPS = [(0.5, (-1, -1)), (3.0, (2, 0)), (50.0, (-1, -1))]
+
+
+@pytest.mark.parametrize("softcap,window", SOFTCAPS)
+def test_softcap_eager_grads(standin, softcap, window):
+    """softcap reaches the forward and the (interim) backward: the oracle's gradients with
+    the same cap, batched and varlen. q is scaled up so that small caps saturate the tanh."""
+    q, k, v = rand(2, 6, 4, 64), rand(2, 9, 2, 64, seed=1), rand(2, 9, 2, 64, seed=2)
+    q = (4 * q).detach().requires_grad_()
+    dout = rand(2, 6, 4, 64, seed=3, grad=False)
+    out = flash_cute.flash_attn_func(q, k, v, softcap=softcap, window_size=window)
+    assert standin[-1]["softcap"] == softcap
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    for g, want in zip(got, ref_grads(q, k, v, dout, softcap=softcap, window_size=window)):
+        torch.testing.assert_close(g, want.to(BF16), **ONE_BF16_STEP)
+    cu, used, q, k, v = _varlen_case()
+    out = flash_cute.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, softcap=softcap,
+                                            seqused_q=used, seqused_k=used)
+    assert standin[-1]["softcap"] == softcap
+    dout = rand(*out.shape, seed=4, grad=False)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref, _ = attention_ref(*leaves, softcap=softcap, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                           seqused_q=used, seqused_k=used)
+    want = torch.autograd.grad(ref, leaves, dout.float())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.to(BF16), **ONE_BF16_STEP)
+
+
+def test_opcheck_softcap(standin):
+    q, k, v = (rand(2, 5, 4, 64, grad=False), rand(2, 7, 2, 64, seed=1, grad=False),
+               rand(2, 7, 2, 64, seed=2, grad=False))
+    args = (0.3, False, False, -1, -1, 2.0)
+    torch.library.opcheck(torch.ops.flash_cute.fwd.default, (q, k, v, *args),
+                          test_utils=OPCHECK_TESTS)
+    out, lse = torch.ops.flash_cute.fwd(q, k, v, *args)
+    assert standin[-1]["softcap"] == 2.0
+    dout = rand(2, 5, 4, 64, seed=3, grad=False)
+    torch.library.opcheck(torch.ops.flash_cute.bwd.default,
+                          (dout, q, k, v, out, lse, *args), test_utils=OPCHECK_TESTS)
+    cu, used, q, k, v = _varlen_case()
+    q, k, v = (t.detach() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flash_cute.varlen_fwd.default,
+                          (q, k, v, cu, cu, used, used, 6, 6, *args), test_utils=OPCHECK_TESTS)
+    assert standin[-1]["softcap"] == 2.0
+
+
+def test_torch_compile_softcap_fullgraph(standin):
+    """torch.compile over a softcapped call: one graph, the eager gradients bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def loss(q, k, v):
+        return flash_cute.flash_attn_func(q, k, v, softcap=1.5, causal=True).float().square().mean()
+
+    args = (rand(2, 6, 4, 64), rand(2, 8, 2, 64, seed=1), rand(2, 8, 2, 64, seed=2))
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=counter)(*args),
+                                  args)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1 and "flash_cute.fwd" in counter.graphs[0].code
+    assert standin[-1]["softcap"] == 1.5
+    for a, b in zip(got, torch.autograd.grad(loss(*args), args)):
+        assert torch.equal(a, b)

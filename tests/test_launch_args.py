@@ -96,8 +96,29 @@ def test_window_launches_match_compile(launched, monkeypatch, d, window, walk):
     dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=False, window_size=window,
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
+    for launch in launched:  # the window, then softcap_scale (None: no softcap)
+        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-3:-1])
+        assert launch.args[-1] is None
+
+
+@pytest.mark.parametrize("walk,split", WALKS)
+@pytest.mark.parametrize("window", [(-1, -1), (64, 0)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_softcap_launches_match_compile(launched, monkeypatch, d, window, walk, split):
+    """Softcapping, batched and varlen, over every walk: the softcap kernels' last argument
+    is softmax_scale / softcap, and scale_log2 becomes softcap * log2(e)."""
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, walk)
+    monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, split)
+    q, k, v = _qkv((2, 700, 4, d), (2, 2500, 2, d))
+    dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False, window_size=window, softcap=20.0)
+    cu = torch.tensor([0, 300, 1200], dtype=torch.int32)
+    q, k, v = _qkv((1200, 4, d), (1200, 2, d))
+    dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False, window_size=window, softcap=20.0,
+                 cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
+    assert len(launched) == 2
     for launch in launched:
-        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-2:])
+        assert launch.args[-1] == pytest.approx(0.1 / 20.0)
+        assert launch.args[5] == pytest.approx(20.0 * dispatch.LOG2E)
 
 
 def test_split_static_walk_launch(launched, monkeypatch):
@@ -192,7 +213,8 @@ def test_autograd_path_launches(launched, monkeypatch, causal):
     batched and varlen."""
     from flash_cute import autograd, flash_attn_func, flash_attn_varlen_func, interface
     monkeypatch.setattr(interface, "_REQUIRE_CUDA", False)
-    monkeypatch.setattr(autograd, "_fused_bwd_applies", lambda q: True)  # CPU tensors here
+    monkeypatch.setattr(autograd, "_fused_bwd_applies",  # CPU tensors here
+                        lambda q, softcap=0.0: True)
     q, k, v = (t.requires_grad_() for t in _qkv((2, 300, 4, 128), (2, 300, 2, 128)))
     flash_attn_func(q, k, v, causal=causal).sum().backward()
     kernels = ["FlashFwdSm90", "FlashBwdPreSm90", "FlashBwdSm90", "FlashBwdPostSm90",
@@ -224,9 +246,9 @@ def test_every_plan_is_a_shipped_kernel(d, causal, num_hb, sq, sk, sms):
 
 @given(st.sampled_from(SUPPORTED_HEAD_DIMS), st.integers(1, 4096), st.integers(1, 1 << 17),
        st.integers(1, 1 << 17), st.sampled_from((132, 78)),
-       st.tuples(st.integers(-1, 5000), st.integers(-1, 5000)))
-def test_every_window_plan_is_a_shipped_kernel(d, num_hb, sq, sk, sms, window):
-    """Sliding windows too (the narrow tile chosen on the window's span)."""
+       st.tuples(st.integers(-1, 5000), st.integers(-1, 5000)), st.booleans())
+def test_every_window_plan_is_a_shipped_kernel(d, num_hb, sq, sk, sms, window, softcap):
+    """Sliding windows and softcapping too (the narrow tile chosen on the window's span)."""
     global _SHIPPED
     causal, bounds = dispatch.window_bounds(window, False, sq, sk)
     env = {k: v for k, v in os.environ.items() if k not in (
@@ -235,7 +257,7 @@ def test_every_window_plan_is_a_shipped_kernel(d, num_hb, sq, sk, sms, window):
         _SHIPPED = _SHIPPED or set(dispatch.shipped_fwd_kernels())
         p = dispatch.fwd_plan(d, causal, num_hb, sq, sk, sms=sms, window=bounds)
     flags = dispatch.kernel_flags(p.ctas is not None, p.dynamic, p.narrow, p.own_o, p.split,
-                                  bounds is not None)
+                                  bounds is not None, softcap)
     assert (d, causal, False, flags) in _SHIPPED
 
 

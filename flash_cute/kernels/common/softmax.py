@@ -129,6 +129,15 @@ class OnlineSoftmax:
         return inv_sum
 
 
+@cute.jit
+def softcap_scores(acc_S: cute.Tensor, softcap_scale: Float32):
+    """Softcapping's scores, in place: s <- tanh(s * softmax_scale / softcap) (MUFU.TANH).
+    The softmax then runs with scale_log2 = softcap * log2(e), so its exp2 sees
+    softcap * tanh(s * softmax_scale / softcap) * log2(e) and the LSE is the capped scores'."""
+    for i in cutlass.range_constexpr(cute.size(acc_S)):
+        acc_S[i] = cute.math.tanh(acc_S[i] * softcap_scale, approx=True)
+
+
 MAX_CHAINS = 4  # independent FMNMX chains per row (latency hiding)
 
 

@@ -128,7 +128,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
                              select_modes, store_packed, transpose_mn)
 from ..common.mask import apply_mask
 from ..common.seqlen import SeqlenInfo
-from ..common.softmax import OnlineSoftmax, rescale_rows
+from ..common.softmax import OnlineSoftmax, rescale_rows, softcap_scores
 from .epilogue import stmatrix_acc, store_smem_rows, tma_store
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -170,15 +170,18 @@ class SplitPiece(NamedTuple):
 
 class FlashFwdSm90:
     def __init__(self, dtype, cfg: FwdSm90Config, causal: bool, varlen: bool = False,
-                 local: bool = False):
+                 local: bool = False, softcap: bool = False):
         """``local``: sliding-window attention, a causal kernel whose diagonal and left edge
         come from the runtime window_left / window_right (block_info); its tiles are walked
-        as causal ones are."""
+        as causal ones are. ``softcap``: scores become tanh(s * softcap_scale) before the
+        mask, the runtime softcap_scale being softmax_scale / softcap (and scale_log2
+        softcap * log2(e): softmax.softcap_scores)."""
         self.dtype = dtype
         self.cfg = cfg
         self.causal = causal
         self.varlen = varlen
         self.local = local
+        self.softcap = softcap
         if local and (not causal or cfg.halves_edge or cfg.split_tail):
             raise ValueError("local: a causal kernel without half_edge or split_tail")
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -205,7 +208,8 @@ class FlashFwdSm90:
                  max_ctas: Optional[Int32], mTileCounter: Optional[cute.Tensor],
                  tail_ctas: Optional[Int32], mPartial: Optional[cute.Tensor],
                  mTileFlags: Optional[cute.Tensor], window_left: Optional[Int32],
-                 window_right: Optional[Int32], stream: cuda.CUstream):
+                 window_right: Optional[Int32], softcap_scale: Optional[Float32],
+                 stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
@@ -219,7 +223,7 @@ class FlashFwdSm90:
         d / 2 + 4, 128n) and one int32 flag per tail tile, zero at launch and zeroed again by
         the tile's combiner (dispatch.split_workspace).
         window_left, window_right: local only (else None), the window's finite bounds
-        (block_info)."""
+        (block_info). softcap_scale: softcap only (else None), softmax_scale / softcap."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -265,7 +269,7 @@ class FlashFwdSm90:
                     scale_log2, heads_per_section, tail_section, sQ_layout, sK_layout,
                     sV_layout, mma_qk, mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                     mTileCounter, tail_ctas, mPartial, mTileFlags, window_left,
-                    window_right).launch(
+                    window_right, softcap_scale).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def make_mma_qk(self, cols: int) -> cute.TiledMma:
@@ -312,8 +316,10 @@ class FlashFwdSm90:
                mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
                mTileCounter: Optional[cute.Tensor], tail_ctas: Optional[Int32],
                mPartial: Optional[cute.Tensor], mTileFlags: Optional[cute.Tensor],
-               window_left: Optional[Int32], window_right: Optional[Int32]):
+               window_left: Optional[Int32], window_right: Optional[Int32],
+               softcap_scale: Optional[Float32]):
         self.window = (window_left, window_right) if const_expr(self.local) else None
+        self.softcap_scale = softcap_scale
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -718,6 +724,8 @@ class FlashFwdSm90:
         gemm(mma_qk, tSrS, tSrQ, tSrK[None, None, None, kv.index], zero_init=True,
              wait_group=0)
         pipe_k.consumer_release(kv)
+        if const_expr(self.softcap):  # before the mask: tanh(-inf) would unmask a score
+            softcap_scores(tSrS, self.softcap_scale)
         cS = cute.make_identity_tensor((self.tile_m, cols))
         apply_mask(tSrS, mma_qk.get_slice(tidx).partition_C(cS),
                    mma_qk.get_slice(0).partition_C(cS), m_block, n_max - 1, self.tile_m,
@@ -776,6 +784,8 @@ class FlashFwdSm90:
             # registers on top of the in-flight accumulators make ptxas serialize every wgmma.
             warpgroup.wait_group(0)
         pipe_k.consumer_release(kv)
+        if const_expr(self.softcap):
+            softcap_scores(tSrS, self.softcap_scale)
         if const_expr(mask is not None):
             mask(n_block)
         row_scale = softmax.step(tSrS, is_first=False)

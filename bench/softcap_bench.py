@@ -1,0 +1,62 @@
+"""Softcapped forward: flash_cute with and without softcap, and FA4's softcap, interleaved in
+one process; TFLOP/s on plain attention's FLOP count (4 * d per visible query-key pair), so
+the cap's cost shows as the drop from the uncapped column.
+
+    python bench/softcap_bench.py [--d 64 128 256] [--s 4096 16384] [--cap 30] [--rounds 3]
+
+bf16, 16k tokens per call (batch = 16384 / s), 2048 / d heads, as the grid's cells. Each
+cell first compares the capped outputs of flash_cute and FA4 (max |difference|, a sanity
+check; the GPU tests hold the oracle comparison), then times them in turn.
+"""
+import argparse
+import statistics
+
+import torch
+
+from check_fwd import timeit  # bench/ is on sys.path when run as a script
+from flash_cute import dispatch
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--s", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--cap", type=float, default=30.0)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    try:
+        from flash_attn.cute import flash_attn_func as fa4
+    except ImportError:
+        fa4 = None
+    for d in a.d:
+        for s in a.s:
+            b, h = 16384 // s, 2048 // d
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            for causal in map(bool, a.causal):
+                flops = 4 * d * b * h * s * s / (2 if causal else 1)
+                run = lambda cap: dispatch.fwd(  # noqa: E731
+                    q, k, v, softmax_scale=d ** -0.5, causal=causal, softcap=cap)[0]
+                fns = {"fc": lambda: run(0.0), "fc_cap": lambda: run(a.cap)}
+                if fa4 is not None:
+                    fns["fa4_cap"] = lambda: fa4(q, k, v, causal=causal, softcap=a.cap)[0]
+                diff = float("nan")
+                if "fa4_cap" in fns:
+                    try:
+                        diff = (fns["fc_cap"]().float() - fns["fa4_cap"]().float()).abs().max()
+                    except Exception as e:  # noqa: BLE001 (a peer's refusal ends its column)
+                        print(f"fa4 softcap: {type(e).__name__}: {e}"[:200])
+                        del fns["fa4_cap"]
+                times = {n: [] for n in fns}
+                for _ in range(a.rounds):
+                    for n, f in fns.items():
+                        times[n].append(timeit(f))
+                cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}"
+                                  for n, t in times.items())
+                print(f"d={d} s={s}{' causal' if causal else ''} cap={a.cap:g}: {cells} "
+                      f"TFLOP/s (max |fc - fa4| {float(diff):.2e})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
