@@ -23,7 +23,7 @@ def grads(q, k, v, dout, causal, upcast, window=(-1, -1)):
 
 
 def check(d, causal, sq, sk, persistent="auto", backward=True, split="auto",
-          window=(-1, -1)):
+          window=(-1, -1), softcap=0.0):
     """One call checked against the oracle; ``backward=False``: the forward alone, so that
     racecheck sees no backward kernel (whose staggered dQ hand-off it reports,
     docs/performance.md session 6). ``split``: FLASH_CUTE_FWD_SPLIT_TAIL; ``window``: a
@@ -33,19 +33,20 @@ def check(d, causal, sq, sk, persistent="auto", backward=True, split="auto",
     q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
     k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16,
                         requires_grad=backward) for _ in range(2))
-    out = flash_attn_func(q, k, v, causal=causal, window_size=window)
+    out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
     if backward:
         dout = torch.randn_like(out)
         got = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
-    ref, _ = attention_ref(q, k, v, causal=causal, window_size=window)
-    low, _ = attention_ref(q, k, v, causal=causal, window_size=window, upcast=False)
+    ref, _ = attention_ref(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    low, _ = attention_ref(q, k, v, causal=causal, window_size=window, upcast=False,
+                           softcap=softcap)
     check_close(out, ref, low)
     if backward:
         check_grads_close(got, grads(q, k, v, dout, causal, True, window),
                           grads(q, k, v, dout, causal, False, window))
     print(f"d={d} causal={causal} sq={sq} sk={sk} persistent={persistent} "
-          f"backward={backward} window={window}: ok", flush=True)
+          f"backward={backward} window={window} softcap={softcap}: ok", flush=True)
 
 
 def check_varlen(d, causal, lens=(37, 0, 200, 129)):
@@ -138,11 +139,20 @@ CASES = {
                            check(64, False, 900, 900, persistent="dyn:ctas=5",
                                  window=(200, -1), backward=False),
                            check(64, True, 1500, 1500, window=(128, 0), backward=False)),
+    # Softcapped forward kernels (session 44; the backward is the fp32 recompute): one tile
+    # per CTA, the dynamic walk, the static walk's split tail, a window.
+    "softcap": lambda: (check(128, False, 700, 900, softcap=5.0, backward=False),
+                        check(64, True, 900, 900, persistent="dyn:ctas=5", softcap=2.0,
+                              backward=False),
+                        check(256, False, 900, 2500, persistent="ctas=5", split="all",
+                              softcap=30.0, backward=False),
+                        check(128, False, 700, 700, window=(100, 30), softcap=5.0,
+                              backward=False)),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
            "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "fwd_qregs", "fwd_split",
-           "varlen128c", "window")
+           "varlen128c", "window", "softcap")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:

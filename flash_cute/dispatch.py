@@ -240,7 +240,8 @@ def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: boo
     with _cache_lock:
         if key not in _cache:
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, local=local,
-                                       softcap=softcap, **{**kernel_overrides(d, causal, varlen, flags),
+                                       softcap=softcap,
+                                       **{**kernel_overrides(d, causal, varlen, flags),
                                           **dict(env)})
         return _cache[key]
 
