@@ -16,9 +16,10 @@ from flash_cute import flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference import attention_ref, check_close, check_grads_close
 
 
-def grads(q, k, v, dout, causal, upcast, window=(-1, -1)):
+def grads(q, k, v, dout, causal, upcast, window=(-1, -1), softcap=0.0):
     leaves = [(t.float() if upcast else t).detach().requires_grad_() for t in (q, k, v)]
-    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast, window_size=window)
+    out, _ = attention_ref(*leaves, causal=causal, upcast=upcast, window_size=window,
+                           softcap=softcap)
     return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
 
 
@@ -43,8 +44,8 @@ def check(d, causal, sq, sk, persistent="auto", backward=True, split="auto",
                            softcap=softcap)
     check_close(out, ref, low)
     if backward:
-        check_grads_close(got, grads(q, k, v, dout, causal, True, window),
-                          grads(q, k, v, dout, causal, False, window))
+        check_grads_close(got, grads(q, k, v, dout, causal, True, window, softcap),
+                          grads(q, k, v, dout, causal, False, window, softcap))
     print(f"d={d} causal={causal} sq={sq} sk={sk} persistent={persistent} "
           f"backward={backward} window={window} softcap={softcap}: ok", flush=True)
 
@@ -139,7 +140,7 @@ CASES = {
                            check(64, False, 900, 900, persistent="dyn:ctas=5",
                                  window=(200, -1), backward=False),
                            check(64, True, 1500, 1500, window=(128, 0), backward=False)),
-    # Softcapped forward kernels (session 44; the backward is the fp32 recompute): one tile
+    # Softcapped forward kernels (session 44), forward alone: one tile
     # per CTA, the dynamic walk, the static walk's split tail, a window.
     "softcap": lambda: (check(128, False, 700, 900, softcap=5.0, backward=False),
                         check(64, True, 900, 900, persistent="dyn:ctas=5", softcap=2.0,
@@ -148,11 +149,14 @@ CASES = {
                               softcap=30.0, backward=False),
                         check(128, False, 700, 700, window=(100, 30), softcap=5.0,
                               backward=False)),
+    # ... and its fused backward (racecheck reports the dQ hand-off there, as without it).
+    "softcap_bwd": lambda: (check(128, True, 700, 900, softcap=5.0),
+                            check(256, False, 300, 200, softcap=2.0)),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
            "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "fwd_qregs", "fwd_split",
-           "varlen128c", "window", "softcap")
+           "varlen128c", "window", "softcap", "softcap_bwd")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:

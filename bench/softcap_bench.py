@@ -1,8 +1,9 @@
-"""Softcapped forward: flash_cute with and without softcap, and FA4's softcap, interleaved in
-one process; TFLOP/s on plain attention's FLOP count (4 * d per visible query-key pair), so
-the cap's cost shows as the drop from the uncapped column.
+"""Softcapping: flash_cute with and without softcap, and FA4's softcap, interleaved in one
+process; TFLOP/s on plain attention's FLOP count (4 * d per visible query-key pair, the
+backward 2.5x that), so the cap's cost shows as the drop from the uncapped column.
 
-    python bench/softcap_bench.py [--d 64 128 256] [--s 4096 16384] [--cap 30] [--rounds 3]
+    python bench/softcap_bench.py [--dir fwd bwd] [--d 64 128 256] [--s 4096 16384]
+                                  [--cap 30] [--rounds 3]
 
 bf16, 16k tokens per call (batch = 16384 / s), 2048 / d heads, as the grid's cells. Each
 cell first compares the capped outputs of flash_cute and FA4 (max |difference|, a sanity
@@ -24,6 +25,7 @@ def main():
     p.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     p.add_argument("--cap", type=float, default=30.0)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dir", nargs="+", default=["fwd"], choices=["fwd", "bwd"])
     a = p.parse_args()
     try:
         from flash_attn.cute import flash_attn_func as fa4
@@ -36,6 +38,10 @@ def main():
                        for _ in range(3))
             for causal in map(bool, a.causal):
                 flops = 4 * d * b * h * s * s / (2 if causal else 1)
+                if "bwd" in a.dir:
+                    bwd_cell(q, k, v, causal, a.cap, fa4, a.rounds, 2.5 * flops)
+                if "fwd" not in a.dir:
+                    continue
                 run = lambda cap: dispatch.fwd(  # noqa: E731
                     q, k, v, softmax_scale=d ** -0.5, causal=causal, softcap=cap)[0]
                 fns = {"fc": lambda: run(0.0), "fc_cap": lambda: run(a.cap)}
@@ -56,6 +62,38 @@ def main():
                                   for n, t in times.items())
                 print(f"d={d} s={s}{' causal' if causal else ''} cap={a.cap:g}: {cells} "
                       f"TFLOP/s (max |fc - fa4| {float(diff):.2e})", flush=True)
+
+
+def bwd_cell(q, k, v, causal, cap, fa4, rounds, flops):
+    """autograd.grad through each forward (run once, outside the timing), timed in turn;
+    the capped gradients of flash_cute and FA4 compared."""
+    from flash_cute import flash_attn_func
+    dout = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    calls = {"fc": lambda *t: flash_attn_func(*t, causal=causal),
+             "fc_cap": lambda *t: flash_attn_func(*t, causal=causal, softcap=cap)}
+    if fa4 is not None:
+        calls["fa4_cap"] = lambda *t: fa4(*t, causal=causal, softcap=cap)[0]
+    fns, grads = {}, {}
+    for name, call in calls.items():
+        try:
+            out = call(*leaves)
+            fns[name] = (lambda o: lambda: torch.autograd.grad(o, leaves, dout,
+                                                               retain_graph=True))(out)
+            grads[name] = fns[name]()
+        except Exception as e:  # noqa: BLE001 (a peer's refusal ends only its column)
+            print(f"{name} bwd: {type(e).__name__}: {e}"[:200])
+    diff = (max((x.float() - y.float()).abs().max().item()
+                for x, y in zip(grads["fc_cap"], grads["fa4_cap"]))
+            if "fa4_cap" in grads else float("nan"))
+    times = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, f in fns.items():
+            times[n].append(timeit(f))
+    b, s, h, d = q.shape
+    cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}" for n, t in times.items())
+    print(f"bwd d={d} s={s}{' causal' if causal else ''} cap={cap:g}: {cells} TFLOP/s "
+          f"(max |grad fc - fa4| {diff:.2e})", flush=True)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ import torch
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
                      BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections,
                      parse_config_spec)
-from .dispatch import NO_VARLEN, NO_WINDOW, compile_kernel, partials_workspace
+from .dispatch import (NO_SOFTCAP, NO_VARLEN, NO_WINDOW, compile_kernel, partials_workspace,
+                       softmax_scales)
 from .kernels.common.scheduler import varlen_num_tiles
 from .kernels.common.seqlen import pad_offset
 
@@ -165,8 +166,8 @@ def unsupported_bwd_option(*, head_dim: int, softcap: float = 0.0, alibi_slopes=
     and varlen alike)."""
     if head_dim not in BWD_SUPPORTED_HEAD_DIMS:
         return f"head_dim={head_dim} (fused backward supports {BWD_SUPPORTED_HEAD_DIMS})"
-    if softcap != 0.0 or alibi_slopes is not None:
-        return "softcap/alibi_slopes (not in the fused backward yet)"
+    if alibi_slopes is not None:
+        return "alibi_slopes (not in the fused backward yet)"
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p}"
     return None
@@ -307,7 +308,7 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
-                  varlen=False, local=False, **cfg_overrides):
+                  varlen=False, local=False, softcap=False, **cfg_overrides):
     import cutlass
     import cutlass.cute as cute
 
@@ -369,10 +370,11 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             cutlass.Int32(1) if cfg.persistent else None, cutlass.Int32(1),
             None if varlen else cutlass.Int32(1),
             *(_fake_split_args(d) if cfg.split_tail else NO_SPLIT),
-            # local: the window's finite (left, right), runtime values
-            *((cutlass.Int32(0), cutlass.Int32(0)) if local else NO_WINDOW))
-    return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen, local),
-                          args, keep_cubin)
+            # local: the window's finite (left, right), runtime values; softcap: its factor
+            *((cutlass.Int32(0), cutlass.Int32(0)) if local else NO_WINDOW),
+            cutlass.Float32(1.0) if softcap else NO_SOFTCAP)
+    return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen, local,
+                                     softcap), args, keep_cubin)
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
@@ -454,14 +456,16 @@ _TILE_FIELDS = frozenset(("tile_m", "dq_split", "swizzle_dq"))
 
 
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
-                      persistent: bool = False, local: bool = False):
+                      persistent: bool = False, local: bool = False, softcap: bool = False):
     """The batched backward's config overrides: BATCHED_TILE_M128 at d=64 (staggered unless
     the caller picks the loop's order or the persistent kernel), BATCHED_TALT at
     d=128 for long calls (one CTA per tile), and swizzled dQ rows for calls of at most
     BWD_SWIZZLE_DQ_MAX_SEQLEN_Q queries (``seqlen_q`` 0: not given, a long call), unless the
     caller or FLASH_CUTE_BWD_CONFIG chooses the tile. A per-call choice among cached kernels:
     no length in any compile key. ``local`` (a sliding window) keeps the 64-row tile: the
-    80-row one spilled 34 words with the window's bounds (session 43)."""
+    80-row one spilled 34 words with the window's bounds (session 43). ``softcap``: the
+    tanh and dS^T's log2 spilled the causal 80-row tile with early LSE reads (22 words) and
+    d=64's 128-row tile with swizzled dQ rows (5 words), so those go (session 44)."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
     out = cfg_overrides
     talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
@@ -470,9 +474,10 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
         out = {**BATCHED_TILE_M128, **stagger, **(cfg_overrides or {})}
     elif (d == 128 and not persistent and not local and seqlen_q >= talt_min
             and not chosen & _TALT_TILE_FIELDS):
-        return {**BATCHED_TALT, **(cfg_overrides or {})}  # its dQ^T rows are unpadded
+        capped = {"early_lse_d": False} if softcap and "early_lse_d" not in chosen else {}
+        return {**BATCHED_TALT, **capped, **(cfg_overrides or {})}  # dQ^T rows unpadded
     if (d in SWIZZLE_DQ_HEAD_DIMS and 0 < seqlen_q <= BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
-            and not persistent and not chosen & _TILE_FIELDS):
+            and not persistent and not chosen & _TILE_FIELDS and not (softcap and d == 64)):
         out = {**(out or {}), "swizzle_dq": True}
     return out
 
@@ -512,7 +517,8 @@ def _config(d: int, overrides: tuple) -> BwdSm90Config:
 
 def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                     deterministic: bool = False, varlen: bool = False,
-                    persistent: bool = False, cfg_overrides=None, local: bool = False):
+                    persistent: bool = False, cfg_overrides=None, local: bool = False,
+                    softcap: bool = False):
     """(pre, main, post for dq, batched post for the GQA dK/dV sums) compiled TVM-FFI
     functions; pre/post are shared across the flags and keyed by the main kernel's tile_m
     (their padding unit), pdl (how they are chained to it) and, for dq, cfg.dq_swizzle and
@@ -526,10 +532,10 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
                                     swizzle_dq=sw_dq))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
-                 extra) + (("local",) if local else ()),
+                 extra) + (("local",) if local else ()) + (("softcap",) if softcap else ()),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
                                       deterministic=deterministic, varlen=varlen, local=local,
-                                      persistent=persistent, **overrides))
+                                      softcap=softcap, persistent=persistent, **overrides))
     post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, None),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
     sw, panels = cfg.dq_swizzle, cfg.dq_panels
@@ -636,7 +642,7 @@ def _row_scratch(rows: tuple, dq_row: int, d: int, device):
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float, causal: bool,
         deterministic: bool = False, persistent: bool | None = None, cfg_overrides=None,
-        window=None):
+        window=None, softcap: float = 0.0):
     """Gradients of attention (batched layout). Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (b, sq, h, d); k, v (b, sk, hk, d), h % hk == 0; lse fp32 (b, h, sq) natural
@@ -644,7 +650,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     persistent: the persistent main kernel; None reads FLASH_CUTE_BWD_PERSISTENT.
     cfg_overrides: BwdSm90Config fields of the main kernel (experiments, bench/exp_bwd.py);
     pre / post and the allocations follow its tile_m. window: a sliding window's finite
-    (left, right) from dispatch.window_bounds (causal set), or None.
+    (left, right) from dispatch.window_bounds (causal set), or None. softcap: > 0 for
+    softcapped scores (the forward's).
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -655,7 +662,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     persistent = _resolve_persistent(persistent, d)
     cfg_overrides = split_tail_overrides(
         d, batched_overrides(d, cfg_overrides, bool(causal), sq, persistent,
-                             window is not None), bool(causal),
+                             window is not None, softcap > 0), bool(causal),
         bool(deterministic), persistent, sq)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
@@ -663,7 +670,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                bool(causal), gqa, bool(deterministic),
                                                persistent=persistent,
                                                cfg_overrides=cfg_overrides,
-                                               local=window is not None)
+                                               local=window is not None, softcap=softcap > 0)
     # bwd_pre first, with only what it needs: the rest of the host work below runs while the
     # GPU does it (a training step's backward is host-bound on slow hosts otherwise).
     sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
@@ -682,11 +689,12 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic, q.device)
     dk_out, dv_out = _dkv_sums((b, sk, h, d), q.device, torch.empty) if gqa else (dk, dv)
-    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
-         softmax_scale * math.log2(math.e), softmax_scale, *NO_VARLEN,
+    scale_log2, softcap_scale = softmax_scales(softmax_scale, softcap)
+    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem, scale_log2,
+         softmax_scale, *NO_VARLEN,
          *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal),
          *(_split_args(q.device, cfg, b * h, sq, sk, causal or deterministic)
-           if cfg.split_tail else NO_SPLIT), *(window or NO_WINDOW))
+           if cfg.split_tail else NO_SPLIT), *(window or NO_WINDOW), softcap_scale)
     post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
@@ -725,7 +733,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
                deterministic: bool = False, persistent: bool | None = None,
-               cfg_overrides=None, window=None):
+               cfg_overrides=None, window=None, softcap: float = 0.0):
     """Gradients of varlen attention. Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (total_q, h, d); k, v (total_k, hk, d); lse fp32 (h, total_q) as returned by
@@ -733,7 +741,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     seqused come out 0 (they take no part in the attention). Same three launches as ``bwd``,
     over the padded per-sequence rows of common/seqlen.py; nothing here reads cu_seqlens on
     the host (no sync) and no length enters the compile key. persistent, cfg_overrides,
-    window: as in ``bwd``.
+    window, softcap: as in ``bwd``.
     """
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
@@ -749,7 +757,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                                bool(causal), gqa, bool(deterministic),
                                                varlen=True, persistent=persistent,
                                                cfg_overrides=cfg_overrides,
-                                               local=window is not None)
+                                               local=window is not None, softcap=softcap > 0)
     # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
@@ -775,12 +783,12 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    torch.empty if seqused_k is None else torch.zeros)
     else:
         dk_out, dv_out = dk, dv
-    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem,
-         softmax_scale * math.log2(math.e), softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q,
-         used_k,
+    scale_log2, softcap_scale = softmax_scales(softmax_scale, softcap)
+    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem, scale_log2,
+         softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q, used_k,
          *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), max_seqlen_k,
                       cfg.tile_n, d, batch * h, causal)[:2], None, *NO_SPLIT,
-         *(window or NO_WINDOW))
+         *(window or NO_WINDOW), softcap_scale)
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)

@@ -1,17 +1,16 @@
 """GPU tests of softcapping (``softcap > 0``): scores become softcap * tanh(scale * qk /
 softcap) before the mask and the softmax (FA2 / FA3's Gemma-2 option). The forward kernels
-take it as a compiled flag (the softcap twin of every kernel) and a runtime factor; the
-backward runs the fp32 recompute for now (autograd._fused_bwd_applies warns once).
+take it as a compiled flag (the softcap twin of every kernel) and a runtime factor; so do the
+fused backward kernels, whose dS^T picks up 1 - tanh^2, recovered from P^T and the LSE
+(kernels/sm90/bwd_cols.tanh_grad).
 
 Inputs are scaled up (QK_SCALE) so that the raw scores reach the cap: with unit inputs the
 scaled scores are ~N(0, 1) and every cap above ~3 would leave them nearly linear.
 """
-import warnings
-
 import pytest
 import torch
 
-from flash_cute import autograd, dispatch, flash_attn_func
+from flash_cute import dispatch, flash_attn_func
 from gpu_support import (ON_CPU, _cpu_standin,  # noqa: F401 (autouse)
                          assert_compiled_equals_eager, check_grads, gpu_module_marks,
                          qkv_inputs, rand, run_and_check, varlen_inputs)
@@ -81,39 +80,62 @@ def test_softcap_varlen(d, causal, window):
                          causal=causal, window_size=window, softcap=4.0)
 
 
+# Gradients: (sq, sk, causal, window, softcap), the forward's edge cases as the backward's
+# tiles see them (ragged key blocks, masked diagonals, rows that see no key).
+GRAD_CASES = [
+    (1, 1, False, (-1, -1), 1.0),
+    (300, 517, False, (-1, -1), 1.0),
+    (517, 517, True, (-1, -1), 10.0),
+    (517, 129, True, (-1, -1), 2.0),
+    (700, 700, False, (100, 20), 5.0),
+    (300, 300, False, (-1, -1), 1e4),
+]
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("sq,sk,causal,window,softcap", GRAD_CASES, ids=map(case_id, GRAD_CASES))
+def test_softcap_grads(sq, sk, causal, window, softcap, d):
+    q, k, v = qkv_inputs(2, sq, sk, 4, 2, d, seed=sq + d, scale=QK_SCALE)
+    check_grads(q, k, v, (0, 1, 2), causal=causal, window_size=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d,causal", [(64, False), (128, False), (128, True), (256, True)])
+def test_softcap_grads_long(dtype, d, causal):
+    """Long calls (the 80-row tile at d=128, the 128-row one at d=64: dS^T from the 16-bit
+    P^T there), fp16 too."""
+    q, k, v = qkv_inputs(1, 2100, 2100, 2, 2, d, dtype=dtype, seed=d, scale=QK_SCALE)
+    check_grads(q, k, v, (0, 1, 2), causal=causal, softcap=3.0)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("causal,softcap", [(False, 1.0), (True, 10.0)])
-def test_softcap_grads(d, causal, softcap):
-    """The backward (fp32 recompute: it warns that it is not fused) against the oracle."""
-    q, k, v = qkv_inputs(2, 300, 517, 4, 2, d, seed=d, scale=QK_SCALE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        check_grads(q, k, v, (0, 1, 2), causal=causal, softcap=softcap)
+def test_softcap_grads_deterministic(d):
+    """GQA, deterministic: against the oracle, then bit-identical over three runs."""
+    q, k, v = qkv_inputs(1, 1500, 1500, 4, 2, d, seed=d, scale=QK_SCALE)
+    first = check_grads(q, k, v, (0, 1, 2), softcap=4.0, deterministic=True)
+    for _ in range(2):
+        again = check_grads(q, k, v, (0, 1, 2), softcap=4.0, deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, b), f"{name}: deterministic runs differ"
 
 
-def test_softcap_varlen_grads():
-    lens = [0, 1, 77, 300, 129]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        check_varlen_grads(lens, lens, 4, 2, 128, causal=True, softcap=3.0, scale=QK_SCALE)
-
-
-@pytest.mark.skipif(ON_CPU, reason="the warning is the GPU path's")
-def test_softcap_backward_warns_it_is_not_fused():
-    q, k, v = (t.requires_grad_() for t in qkv_inputs(1, 64, 64, 2, 2, 64, seed=1))
-    autograd._warn_recompute.cache_clear()  # it warns once per reason and process
-    with pytest.warns(UserWarning, match="fp32 recompute"):
-        flash_attn_func(q, k, v, softcap=7.25).sum().backward()
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
+                                           (False, (64, 0))])
+def test_softcap_varlen_grads(d, causal, window):
+    lens_q, lens_k = [0, 1, 77, 300, 1000, 129], [3, 1, 77, 500, 1000, 0]
+    check_varlen_grads(lens_q, lens_k, 4, 2, d, causal=causal, window_size=window,
+                       softcap=3.0, scale=QK_SCALE)
 
 
 def test_softcap_torch_compile_matches_eager():
     q, k, v = (t.requires_grad_() for t in qkv_inputs(2, 200, 300, 4, 2, 64, seed=5,
                                                       scale=QK_SCALE))
     dout = rand(2, 200, 4, 64, seed=6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert_compiled_equals_eager(
-            lambda q, k, v: flash_attn_func(q, k, v, causal=True, softcap=6.0), (q, k, v), dout)
+    # deterministic: dQ's adds in a fixed order, so that the two runs can be equal bit for bit
+    assert_compiled_equals_eager(
+        lambda q, k, v: flash_attn_func(q, k, v, causal=True, softcap=6.0, deterministic=True),
+        (q, k, v), dout)
 
 
 def test_softcap_does_not_recompile():

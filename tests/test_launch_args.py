@@ -189,6 +189,30 @@ def test_backward_launches_match_compile(launched, d, hk, causal, deterministic,
                         deterministic=deterministic, persistent=persistent)
 
 
+@pytest.mark.parametrize("window", [None, (64, 5)])
+@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, True)])
+@pytest.mark.parametrize("d,hk", [(64, 4), (128, 2), (256, 1)])
+def test_backward_softcap_launches_match_compile(launched, d, hk, causal, deterministic,
+                                                 window):
+    """The softcap backward kernels, batched (short and long calls: their tiles differ) and
+    varlen: softcap_scale last, scale_log2 = softcap * log2(e)."""
+    causal = causal or window is not None
+    for sq in (700, 16384):
+        q, k, v = _qkv((1, sq, 4, d), (1, 900, hk, d))
+        backward.bwd(q, q, k, v, q, torch.zeros(1, 4, sq), softmax_scale=0.1, causal=causal,
+                     deterministic=deterministic, window=window, softcap=20.0)
+    cu = torch.tensor([0, 300, 700], dtype=torch.int32)
+    q, k, v = _qkv((700, 4, d), (700, hk, d))
+    backward.varlen_bwd(q, q, k, v, q, torch.zeros(4, 700), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                        max_seqlen_q=400, max_seqlen_k=400, softmax_scale=0.1, causal=causal,
+                        deterministic=deterministic, window=window, softcap=20.0)
+    mains = [c for c in launched if c.name in ("FlashBwdSm90", "FlashBwdWideSm90")]
+    assert len(mains) == 3
+    for main in mains:
+        assert main.args[-1] == pytest.approx(0.1 / 20.0)
+        assert main.args[10] == pytest.approx(20.0 * dispatch.LOG2E)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("d,hk", [(64, 4), (128, 2), (256, 1)])
 def test_backward_window_launches_match_compile(launched, d, hk, deterministic):
@@ -203,7 +227,7 @@ def test_backward_window_launches_match_compile(launched, d, hk, deterministic):
                         deterministic=deterministic, window=(3, 800))
     mains = [x for x in launched if x.name.startswith("FlashBwd") and "Pre" not in x.name
              and "Post" not in x.name]
-    assert [x.args[-2:] for x in mains] == [(64, 5), (3, 800)]
+    assert [x.args[-3:] for x in mains] == [(64, 5, None), (3, 800, None)]  # no softcap
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -213,8 +237,7 @@ def test_autograd_path_launches(launched, monkeypatch, causal):
     batched and varlen."""
     from flash_cute import autograd, flash_attn_func, flash_attn_varlen_func, interface
     monkeypatch.setattr(interface, "_REQUIRE_CUDA", False)
-    monkeypatch.setattr(autograd, "_fused_bwd_applies",  # CPU tensors here
-                        lambda q, softcap=0.0: True)
+    monkeypatch.setattr(autograd, "_fused_bwd_applies", lambda q: True)  # CPU tensors here
     q, k, v = (t.requires_grad_() for t in _qkv((2, 300, 4, 128), (2, 300, 2, 128)))
     flash_attn_func(q, k, v, causal=causal).sum().backward()
     kernels = ["FlashFwdSm90", "FlashBwdPreSm90", "FlashBwdSm90", "FlashBwdPostSm90",
@@ -279,7 +302,7 @@ def test_backward_split_tail_launch(launched, monkeypatch, d, causal, determinis
     backward.bwd(q, q, k, v, q, torch.zeros(2, 2, sq), softmax_scale=0.1, causal=causal,
                  deterministic=deterministic, persistent=False)
     main = next(launch for launch in launched if launch.name == "FlashBwdSm90")
-    tail_start, pieces, partial, tickets = main.args[-6:-2]  # then the window (None, None)
+    tail_start, pieces, partial, tickets = main.args[-7:-3]  # then the window, softcap
     split = not causal and not deterministic and (long_call or bool(env))
     assert main.split == (split or bool(env))
     if not main.split:

@@ -107,6 +107,7 @@ from ..common import block_info, scheduler
 from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx,
                              select_modes, store_packed, transpose_mn)
 from ..common.mask import apply_mask_key_major
+from ..common.softmax import softcap_scores
 from . import bwd_cols, bwd_split, pdl
 from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_tiles import KeyTileWalk
@@ -130,15 +131,19 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
     uniform_dq_desc = False  # see __init__
 
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
-                 deterministic: bool = False, varlen: bool = False, local: bool = False):
+                 deterministic: bool = False, varlen: bool = False, local: bool = False,
+                 softcap: bool = False):
         """``dkv_dtype``: element type of the dK / dV outputs (the input dtype, or Float32 for
         the per-query-head GQA buffers that bwd_post sums). ``deterministic``: key blocks add
         into a query block's dQaccum in key-block order (a semaphore per query block).
         ``varlen``: packed sequences (docs/architecture.md, "The SM90 backward main kernel").
         ``local``: sliding window, a causal kernel whose diagonal and left edge come from the
-        runtime window_left / window_right (block_info)."""
+        runtime window_left / window_right (block_info). ``softcap``: scores capped by tanh
+        (the runtime softcap_scale = softmax_scale / softcap; dS^T picks up 1 - tanh^2,
+        bwd_cols.tanh_grad)."""
         check_local(cfg, causal, local)
         self.local = local
+        self.softcap = softcap
         self.deterministic = deterministic
         self.persistent = cfg.persistent
         self.varlen = varlen
@@ -227,7 +232,8 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                  tail_section: Optional[Int32], tail_start: Optional[Int32],
                  pieces: Optional[Int32], mPartial: Optional[cute.Tensor],
                  mTickets: Optional[cute.Tensor], window_left: Optional[Int32],
-                 window_right: Optional[Int32], stream: cuda.CUstream):
+                 window_right: Optional[Int32], softcap_scale: Optional[Float32],
+                 stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
         dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
@@ -239,7 +245,8 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         the scheduler's L2 sections (kernels/common/scheduler.py), for both launch styles
         (varlen: tail_section None, sections are per sequence). cfg.split_tail (else the four
         None): tail_start, pieces, mPartial (pieces in all, values, mma threads) fp32 and
-        mTickets (tail tiles,) int32 (bwd_split.py)."""
+        mTickets (tail tiles,) int32 (bwd_split.py). window_left / window_right: local only;
+        softcap_scale: softcap only (scale_log2 is then softcap * log2(e)), else None."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
@@ -339,7 +346,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                     mSeqUsedK, *sections, tma_dk, tma_dv, tma_mdK, tma_mdV, tail_start, pieces,
-                    mPartial, mTickets, window_left, window_right).launch(
+                    mPartial, mTickets, window_left, window_right, softcap_scale).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -414,9 +421,12 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                tma_mdK: Optional[cute.Tensor], tma_mdV: Optional[cute.Tensor],
                tail_start: Optional[Int32], pieces: Optional[Int32],
                mPartial: Optional[cute.Tensor], mTickets: Optional[cute.Tensor],
-               window_left: Optional[Int32], window_right: Optional[Int32]):
+               window_left: Optional[Int32], window_right: Optional[Int32],
+               softcap_scale: Optional[Float32]):
         # local: the window's finite (left, right), read by the tile ranges and masks
         self.window = (window_left, window_right) if const_expr(self.local) else None
+        self.softcap_scale = softcap_scale  # softcap: the tanh's factor and 1 / scale_log2
+        self.inv_k = cute.arch.rcp_approx(scale_log2) if const_expr(self.softcap) else None
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         split = None
         if const_expr(self.cfg.split_tail):
@@ -822,10 +832,14 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
              wait_group=-1)
         if const_expr(masked):
             warpgroup.wait_group(0)  # the few diagonal/ragged blocks: no mask over live wgmma
+            if const_expr(self.softcap):  # before the mask: tanh(-inf) would unmask a score
+                softcap_scores(tSrS, self.softcap_scale)
             apply_mask_key_major(tSrS, tScS, t0ScS, n_block, m_block, self.tile_n, self.tile_m,
                                  seqlen_q, seqlen_k, self.causal, self.window)
         else:
             warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
+            if const_expr(self.softcap):
+                softcap_scores(tSrS, self.softcap_scale)
         return lse
 
     def to_16bit(self, dst: cute.Tensor, src: cute.Tensor):
@@ -841,9 +855,15 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         """P^T = exp2(S^T * scale_log2 - LSE_log2) in place (kernels/sm90/bwd_cols.py)."""
         bwd_cols.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2, lse)
 
-    def ds_from_dp(self, tdPrdP, p_mn, tScS, t0ScS, sD, s, dsum=None):
+    def ds_from_dp(self, tdPrdP, p_mn, tScS, t0ScS, sD, s, dsum=None, cap=None):
         """dS^T = P^T o (dP^T - D) in place of dP^T (kernels/sm90/bwd_cols.py)."""
-        bwd_cols.ds_from_dp(tdPrdP, p_mn, tScS, t0ScS, sD, s, dsum)
+        bwd_cols.ds_from_dp(tdPrdP, p_mn, tScS, t0ScS, sD, s, dsum, cap)
+
+    def softcap_cols(self, sLSE, s, lse=None):
+        """bwd_cols.SoftcapCols for dS^T with softcap (LSE_log2 of Q stage ``s``), else None."""
+        if const_expr(not self.softcap):
+            return None
+        return bwd_cols.SoftcapCols(sLSE, s, lse, self.inv_k)
 
     @cute.jit
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
@@ -951,14 +971,15 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         else:
             gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
                  wait_group=1)  # dP^T ready; dV keeps running
-        if const_expr(self.ds_from_p16 and self.cfg.ds16):
+        cap = self.softcap_cols(sLSE, s, lse)
+        if const_expr(self.ds_from_p16 and self.cfg.ds16 and not self.softcap):
             bwd_cols.ds16_from_dp(rdS, tdPrdP, rP, tScS, t0ScS, sD, s, dsum)
         elif const_expr(self.ds_from_p16 and self.cfg.p16_view
                         and self.dtype is cutlass.BFloat16):  # fp16: one cvt per element anyway
-            bwd_cols.ds_from_dp_packed(tdPrdP, rP, tScS, t0ScS, sD, s, dsum)
+            bwd_cols.ds_from_dp_packed(tdPrdP, rP, tScS, t0ScS, sD, s, dsum, cap)
             self.to_16bit(rdS, tdPrdP)
         else:
-            self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s, dsum)
+            self.ds_from_dp(tdPrdP, s_mn, tScS, t0ScS, sD, s, dsum, cap)
             self.to_16bit(rdS, tdPrdP)
         if const_expr(self.ds_before_dv):
             gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,

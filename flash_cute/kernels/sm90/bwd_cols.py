@@ -8,13 +8,34 @@ By default each column's value is read from shared memory inside the element loo
 wgmma wait. ``BwdSm90Config.early_lse_d`` reads them into registers (``load_cols``) right
 after the GEMMs are issued, as FA3/FA4 do, so the LDS latency runs under the tensor cores.
 """
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..common.layout import acc_as_mn, cvt_pair, mul_pair, unpack_bf16
+
+
+class SoftcapCols(NamedTuple):
+    """What dS^T needs of softcapping (S = softcap * tanh(scale * qk / softcap)): LSE_log2's
+    rows (``sLSE``) and the Q stage it rides with (``stage``), or its column values
+    (``lse``, load_cols), and 1 / scale_log2 (``inv_k``, scale_log2 = softcap * log2(e))."""
+    sLSE: cute.Tensor
+    stage: Int32
+    lse: Optional[cute.Tensor]
+    inv_k: Float32
+
+
+@cute.jit
+def tanh_grad(p: Float32, lse_c: Float32, inv_k: Float32) -> Float32:
+    """1 - tanh^2 of the score behind probability p, recovered from p itself:
+    p = exp2(tanh * k - LSE_log2), so tanh = (log2 p + LSE_log2) / k, clamped to [-1, 1]
+    (p = 0, underflowed or masked, gives -inf or NaN there: the clamp makes it -1, a zero
+    derivative times a zero p). No register holds the tanh between P^T and dS^T."""
+    t = (cute.math.log2(p, fastmath=True) + lse_c) * inv_k
+    t = cute.arch.fmin(cute.arch.fmax(t, Float32(-1.0)), Float32(1.0))
+    return Float32(1.0) - t * t
 
 
 @cute.jit
@@ -53,21 +74,29 @@ def p_from_s(tSrS: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, sLSE: cut
 
 @cute.jit
 def ds_from_dp(tdPrdP: cute.Tensor, p_mn: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor,
-               sD: cute.Tensor, s: Int32, dsum: Optional[cute.Tensor] = None):
+               sD: cute.Tensor, s: Int32, dsum: Optional[cute.Tensor] = None,
+               cap: Optional[SoftcapCols] = None):
     """dS^T = P^T o (dP^T - D[query]) in place of dP^T, unscaled (bwd_post / the epilogue
     apply the scale). ``p_mn``: P^T in the (rows, cols) view, fp32 or 16-bit. ``dsum``: D's
-    values from ``load_cols`` (else read from the stage's row of sD here)."""
+    values from ``load_cols`` (else read from the stage's row of sD here). ``cap``: softcap,
+    each element times tanh_grad."""
     dp_mn = acc_as_mn(tdPrdP)
     for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
         dsum_c = col_value(sD, s, dsum, tScS, t0ScS, c)
+        if cutlass.const_expr(cap is not None):
+            lse_c = col_value(cap.sLSE, cap.stage, cap.lse, tScS, t0ScS, c)
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
-            dp_mn[r, c] = p_mn[r, c].to(Float32) * (dp_mn[r, c] - dsum_c)
+            p = p_mn[r, c].to(Float32)
+            if cutlass.const_expr(cap is None):
+                dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c)
+            else:
+                dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c) * tanh_grad(p, lse_c, cap.inv_k)
 
 
 @cute.jit
 def ds_from_dp_packed(tdPrdP: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor,
                       t0ScS: cute.Tensor, sD: cute.Tensor, s: Int32,
-                      dsum: Optional[cute.Tensor] = None):
+                      dsum: Optional[cute.Tensor] = None, cap: Optional[SoftcapCols] = None):
     """ds_from_dp with P^T as rP, its compact bf16 copy in the accumulator layout: each
     element unpacked from its register word (unpack_bf16), one instruction per element."""
     dp_mn = acc_as_mn(tdPrdP)
@@ -75,10 +104,15 @@ def ds_from_dp_packed(tdPrdP: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor,
     words = cute.recast_tensor(rP, Int32)
     for c in cutlass.range_constexpr(cute.size(dp_mn, mode=[1])):
         dsum_c = col_value(sD, s, dsum, tScS, t0ScS, c)
+        if cutlass.const_expr(cap is not None):
+            lse_c = col_value(cap.sLSE, cap.stage, cap.lse, tScS, t0ScS, c)
         for r in cutlass.range_constexpr(cute.size(dp_mn, mode=[0])):
             i = cute.crd2idx((r, c), p_mn_layout)
             p = unpack_bf16(words[i // 2], i % 2 == 1)
-            dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c)
+            if cutlass.const_expr(cap is None):
+                dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c)
+            else:
+                dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c) * tanh_grad(p, lse_c, cap.inv_k)
 
 
 @cute.jit

@@ -122,10 +122,12 @@ MMA_THREADS = NUM_MMA_WG * WG_THREADS
 
 class FlashBwdWideSm90(FlashBwdSm90):
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
-                 deterministic: bool = False, varlen: bool = False, local: bool = False):
+                 deterministic: bool = False, varlen: bool = False, local: bool = False,
+                 softcap: bool = False):
         """Arguments as FlashBwdSm90's; ``cfg`` must be a wide config (tile_n = 64)."""
         check_local(cfg, causal, local)
         self.local = local
+        self.softcap = softcap
         if not cfg.wide:
             raise ValueError("FlashBwdWideSm90 needs a wide BwdSm90Config")
         if cfg.persistent:
@@ -280,7 +282,8 @@ class FlashBwdWideSm90(FlashBwdSm90):
         gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s_do], zero_init=False,
              wait_group=1)  # dP^T ready; dV keeps running
 
-        self.ds_from_dp(tdPrdP, acc_as_mn(tSrS), tScS, t0ScS, sD, s_do)  # D rides with dO
+        self.ds_from_dp(tdPrdP, acc_as_mn(tSrS), tScS, t0ScS, sD, s_do,  # D rides with dO
+                        cap=self.softcap_cols(sLSE, s))
         rdS.store(tdPrdP.load().to(self.dtype))
         cute.copy(thr_store, thr_store.retile(rdS), tPsPdS[None, None, None, DS_BUF])
         cute.arch.fence_proxy("async.shared", space="cta")
