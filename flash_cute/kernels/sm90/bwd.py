@@ -6,6 +6,10 @@ Math (per batch and query head; S = Q K^T unscaled, scale = softmax_scale):
     dV = P^T dO          dP = dO V^T          dS = P o (dP - D)     (D = rowsum(dO o O))
     dK = scale * dS^T Q  dQ = scale * dS K    (dQ's scale is applied in bwd_post)
 
+Softcap (``softcap``): S becomes t = tanh(S * scale / softcap) before the mask, P = exp2(t * k
+- LSE_log2) with k = softcap * log2(e), and dS = P o (dP - D) o (1 - t^2), t recovered from P
+(bwd_cols.tanh_grad: no register keeps it between P^T and dS^T).
+
 The kernel computes the transposed tiles S^T = K Q^T and dP^T = V dO^T, so the rows of every
 accumulator are keys: P^T and dS^T come out of the wgmma already as the register A operands of
 dV += P^T dO and dK += dS^T Q, and dK / dV never leave registers until the epilogue.
