@@ -16,15 +16,15 @@ from flash_cute import flash_attn_func, flash_attn_varlen_func
 from flash_cute.reference import attention_ref, check_close, check_grads_close
 
 
-def grads(q, k, v, dout, causal, upcast, window=(-1, -1), softcap=0.0):
+def grads(q, k, v, dout, causal, upcast, window=(-1, -1), softcap=0.0, slopes=None):
     leaves = [(t.float() if upcast else t).detach().requires_grad_() for t in (q, k, v)]
     out, _ = attention_ref(*leaves, causal=causal, upcast=upcast, window_size=window,
-                           softcap=softcap)
+                           softcap=softcap, alibi_slopes=slopes)
     return torch.autograd.grad(out, leaves, dout.float() if upcast else dout)
 
 
 def check(d, causal, sq, sk, persistent="auto", backward=True, split="auto",
-          window=(-1, -1), softcap=0.0):
+          window=(-1, -1), softcap=0.0, alibi=False):
     """One call checked against the oracle; ``backward=False``: the forward alone, so that
     racecheck sees no backward kernel (whose staggered dQ hand-off it reports,
     docs/performance.md session 6). ``split``: FLASH_CUTE_FWD_SPLIT_TAIL; ``window``: a
@@ -34,18 +34,21 @@ def check(d, causal, sq, sk, persistent="auto", backward=True, split="auto",
     q = torch.randn(1, sq, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
     k, v = (torch.randn(1, sk, 1, d, device="cuda", dtype=torch.bfloat16,
                         requires_grad=backward) for _ in range(2))
-    out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    slopes = torch.rand(2, device="cuda") if alibi else None
+    out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                          alibi_slopes=slopes)
     if backward:
         dout = torch.randn_like(out)
         got = torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
-    ref, _ = attention_ref(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    ref, _ = attention_ref(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                           alibi_slopes=slopes)
     low, _ = attention_ref(q, k, v, causal=causal, window_size=window, upcast=False,
-                           softcap=softcap)
+                           softcap=softcap, alibi_slopes=slopes)
     check_close(out, ref, low)
     if backward:
-        check_grads_close(got, grads(q, k, v, dout, causal, True, window, softcap),
-                          grads(q, k, v, dout, causal, False, window, softcap))
+        check_grads_close(got, grads(q, k, v, dout, causal, True, window, softcap, slopes),
+                          grads(q, k, v, dout, causal, False, window, softcap, slopes))
     print(f"d={d} causal={causal} sq={sq} sk={sk} persistent={persistent} "
           f"backward={backward} window={window} softcap={softcap}: ok", flush=True)
 
@@ -152,11 +155,18 @@ CASES = {
     # ... and its fused backward (racecheck reports the dQ hand-off there, as without it).
     "softcap_bwd": lambda: (check(128, True, 700, 900, softcap=5.0),
                             check(256, False, 300, 200, softcap=2.0)),
+    # ALiBi (session 44): forward alone over the walks, then with its fused backward.
+    "alibi": lambda: (check(64, True, 900, 900, persistent="dyn:ctas=5", alibi=True,
+                            backward=False),
+                      check(128, False, 900, 2500, persistent="ctas=5", split="all",
+                            alibi=True, backward=False)),
+    "alibi_bwd": lambda: (check(128, True, 700, 900, alibi=True),
+                          check(256, False, 300, 200, alibi=True)),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
            "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "fwd_qregs", "fwd_split",
-           "varlen128c", "window", "softcap", "softcap_bwd")
+           "varlen128c", "window", "softcap", "softcap_bwd", "alibi", "alibi_bwd")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:

@@ -17,6 +17,7 @@ sequence). The recompute matches the fp32 oracle's gradients up to fp32 rounding
 unfused: it materialises the (sq, sk) score matrix, O(s^2) memory and slow.
 """
 import functools
+import warnings
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
@@ -24,12 +25,14 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 from flash_cute import backward, dispatch
 
 
-def _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size=(-1, -1), softcap=0.0):
+def _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
+                 alibi_slopes=None):
     """(dq, dk, dv) of batched attention, recomputed in fp32 with the backward written out.
 
     The formulas are the fused backward's (P = exp(S - lse), D = rowsum(dO * O),
     dS = P * (dP - D); softcap: S = softcap * tanh(scale * qk / softcap), so dS picks up
-    1 - tanh^2), so no autograd runs inside the custom op: torch excludes the autograd
+    1 - tanh^2; ALiBi adds -slope * |i + sk - sq - j| to S, no function of q or k), so no
+    autograd runs inside the custom op: torch excludes the autograd
     keys there, and public workarounds break under TorchDispatchModes. Each result is in its
     input's dtype and contiguous (the layout the fake impl promises torch.compile).
     """
@@ -43,9 +46,11 @@ def _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size=(-1, -1), sof
         s = softcap * t
     left, right = window_size
     right = 0 if causal else right
-    if left >= 0 or right >= 0:  # bottom-right aligned, as in the forward
-        i = torch.arange(sq, device=q.device)[:, None] + sk - sq
-        j = torch.arange(sk, device=q.device)[None, :]
+    i = torch.arange(sq, device=q.device)[:, None] + sk - sq  # bottom-right aligned diagonal
+    j = torch.arange(sk, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.float().view(-1, q.shape[2], 1, 1) * (i - j).abs()
+    if left >= 0 or right >= 0:
         if right >= 0:
             s = s.masked_fill(j > i + right, float("-inf"))
         if left >= 0:
@@ -67,7 +72,8 @@ def _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size=(-1, -1), sof
 
 
 def _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                        softmax_scale, causal, window_size=(-1, -1), softcap=0.0):
+                        softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
+                        alibi_slopes=None):
     """(dq, dk, dv) of varlen attention: _interim_bwd on each sequence's used rows and keys
     (causal stays bottom-right aligned on the used lengths, as in the reference); rows and
     keys past seqused get 0. Reads cu_seqlens on the host: a fallback, not a fast path."""
@@ -79,8 +85,10 @@ def _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, se
         if nq == 0 or nk == 0:  # nothing attends: the gradients stay 0
             continue
         rows, keys = slice(cu_q[i], cu_q[i] + nq), slice(cu_k[i], cu_k[i] + nk)
+        slopes = None if alibi_slopes is None else (
+            alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i])
         grads = _interim_bwd(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
-                             softmax_scale, causal, window_size, softcap)
+                             softmax_scale, causal, window_size, softcap, slopes)
         dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
     return dq, dk, dv
 
@@ -90,18 +98,19 @@ def _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     "flash_cute::fwd", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal,"
            " bool deterministic=False, int window_left=-1, int window_right=-1,"
-           " float softcap=0.0) -> (Tensor out, Tensor lse)")
+           " float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)")
 def _fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
-         softcap=0.0):
+         softcap=0.0, alibi_slopes=None):
     # deterministic only reaches the backward (through the autograd context).
     # Looked up on the module at call time, so tests can stand in a CPU forward.
     return dispatch.fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                        window_size=(window_left, window_right), softcap=softcap)
+                        window_size=(window_left, window_right), softcap=softcap,
+                        alibi_slopes=alibi_slopes)
 
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
-              window_right=-1, softcap=0.0):
+              window_right=-1, softcap=0.0, alibi_slopes=None):
     b, sq, h, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((b, h, sq), dtype=torch.float32))
@@ -111,26 +120,27 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
     "flash_cute::bwd", mutates_args=(),
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
            " float softmax_scale, bool causal, bool deterministic=False,"
-           " int window_left=-1, int window_right=-1, float softcap=0.0)"
-           " -> (Tensor dq, Tensor dk, Tensor dv)")
+           " int window_left=-1, int window_right=-1, float softcap=0.0,"
+           " Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)")
 def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, window_left=-1,
-         window_right=-1, softcap=0.0):
+         window_right=-1, softcap=0.0, alibi_slopes=None):
     return _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                        (window_left, window_right), softcap)
+                        (window_left, window_right), softcap, alibi_slopes)
 
 
 def _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                 window_size=(-1, -1), softcap=0.0):
+                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """(dq, dk, dv): the fused kernels on sm_90 for the head dims they cover; otherwise (or
     FLASH_CUTE_FUSED_BWD=0) the fp32 recompute, which takes any dout layout (it copies to
     fp32). The body of flash_cute::bwd and of FlashAttnFunc.backward. ``window_size``:
     FA2's (left, right)."""
-    if _fused_bwd_applies(q):
+    if _fused_bwd_applies(q, softcap, alibi_slopes):
         causal_k, window = dispatch.window_bounds(window_size, causal, q.shape[1], k.shape[1])
         return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                             causal=causal_k, deterministic=deterministic, window=window,
-                            softcap=softcap)
-    return _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size, softcap)
+                            softcap=softcap, alibi_slopes=alibi_slopes)
+    return _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size, softcap,
+                        alibi_slopes)
 
 
 @_bwd.register_fake
@@ -146,13 +156,15 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.deterministic = bool(rest[0]) if rest else False
     ctx.window = tuple(rest[1:3]) if len(rest) > 1 else (-1, -1)
     ctx.softcap = rest[3] if len(rest) > 3 else 0.0
+    ctx.alibi_slopes = rest[4] if len(rest) > 4 else None  # not differentiated
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     grads = torch.ops.flash_cute.bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                     ctx.deterministic, *ctx.window, ctx.softcap)
+                                     ctx.deterministic, *ctx.window, ctx.softcap,
+                                     ctx.alibi_slopes)
     return _input_grads(ctx, grads)
 
 
@@ -166,11 +178,23 @@ def _input_grads(ctx, grads):
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-def _fused_bwd_applies(q) -> bool:
-    """The fused SM90 backward runs this call: enabled, an sm_90 tensor, a head dim it has
-    (the other options are at their defaults: validation refused the rest)."""
-    return (backward.fused_bwd_enabled() and q.is_cuda and _is_sm90(q.device)
-            and backward.unsupported_bwd_option(head_dim=q.shape[-1]) is None)
+def _fused_bwd_applies(q, softcap=0.0, alibi_slopes=None) -> bool:
+    """The fused SM90 backward runs this call: enabled, an sm_90 tensor, a head dim and
+    options it has (validation refused the rest). Where only the options keep it off an
+    sm_90 GPU (softcap with ALiBi), the recompute runs and warns once: slow, O(s^2) memory."""
+    if not (backward.fused_bwd_enabled() and q.is_cuda and _is_sm90(q.device)):
+        return False
+    why = backward.unsupported_bwd_option(head_dim=q.shape[-1], softcap=softcap,
+                                          alibi=alibi_slopes is not None)
+    if why is not None and backward.unsupported_bwd_option(head_dim=q.shape[-1]) is None:
+        _warn_recompute(why)
+    return why is None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_recompute(why: str):
+    warnings.warn(f"flash_cute: the fused backward has no {why}; this backward runs the fp32 "
+                  "recompute (correct, slow, O(seqlen^2) memory)", stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,13 +215,15 @@ def use_custom_ops() -> bool:
 
 # The varlen ops' arguments after q, k, v, in schema order up to causal (all from
 # validate_fwd's options; alibi_slopes and dropout_p are at their defaults, the unsupported-
-# option check saw to that); then deterministic, the window's two sides and softcap.
+# option check saw to that); then deterministic, the window's two sides, softcap and
+# alibi_slopes.
 VARLEN_OP_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q",
                   "max_seqlen_k", "softmax_scale", "causal")
 _VARLEN_SCHEMA = ("Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q,"
                   " Tensor? seqused_k, SymInt max_seqlen_q, SymInt max_seqlen_k,"
                   " float softmax_scale, bool causal, bool deterministic=False,"
-                  " int window_left=-1, int window_right=-1, float softcap=0.0")
+                  " int window_left=-1, int window_right=-1, float softcap=0.0,"
+                  " Tensor? alibi_slopes=None")
 
 
 @torch.library.custom_op("flash_cute::varlen_fwd", mutates_args=(),
@@ -205,11 +231,12 @@ _VARLEN_SCHEMA = ("Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q,"
                                 " -> (Tensor out, Tensor lse)")
 def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, deterministic=False, window_left=-1,
-                window_right=-1, softcap=0.0):
+                window_right=-1, softcap=0.0, alibi_slopes=None):
     return dispatch.fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
-                        window_size=(window_left, window_right), softcap=softcap)
+                        window_size=(window_left, window_right), softcap=softcap,
+                        alibi_slopes=alibi_slopes)
 
 
 @_varlen_fwd.register_fake
@@ -224,10 +251,10 @@ def _varlen_fwd_fake(q, k, v, *args, **kwargs):
                                 " -> (Tensor dq, Tensor dk, Tensor dv)")
 def _varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                 max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False,
-                window_left=-1, window_right=-1, softcap=0.0):
+                window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     return varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
                       seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                      deterministic, (window_left, window_right), softcap)
+                      deterministic, (window_left, window_right), softcap, alibi_slopes)
 
 
 @_varlen_bwd.register_fake
@@ -240,7 +267,8 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, used_q, used_k)
     ctx.scalars = (tuple(rest[:4]) + ((bool(rest[4]),) if len(rest) > 4 else (False,))
                    + (tuple(rest[5:7]) if len(rest) > 5 else (-1, -1))
-                   + ((rest[7],) if len(rest) > 7 else (0.0,)))
+                   + ((rest[7],) if len(rest) > 7 else (0.0,))
+                   + ((rest[8],) if len(rest) > 8 else (None,)))
     ctx.mark_non_differentiable(output[1])
 
 
@@ -254,21 +282,22 @@ _varlen_fwd.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_c
 
 def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False,
-               window_size=(-1, -1), softcap=0.0):
+               window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """(dq, dk, dv) of varlen attention: the fused kernels (backward.varlen_bwd) where they
     apply; otherwise the fp32 recompute per sequence (slow, O(s^2) memory). The body of
     flash_cute::varlen_bwd and of FlashAttnFunc.backward. ``window_size``: FA2's (left,
     right)."""
-    if _fused_bwd_applies(q):
+    if _fused_bwd_applies(q, softcap, alibi_slopes):
         causal_k, window = dispatch.window_bounds(window_size, causal, max_seqlen_q,
                                                   max_seqlen_k)
         return backward.varlen_bwd(
             dout, q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
             causal=causal_k, seqused_q=seqused_q, seqused_k=seqused_k,
-            deterministic=deterministic, window=window, softcap=softcap)
+            deterministic=deterministic, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes)
     return _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                               softmax_scale, causal, window_size, softcap)
+                               softmax_scale, causal, window_size, softcap, alibi_slopes)
 
 
 class FlashAttnFunc(torch.autograd.Function):
@@ -294,8 +323,10 @@ class FlashAttnFunc(torch.autograd.Function):
         opts = ctx.opts
         if opts["cu_seqlens_q"] is None:
             grads = _batched_bwd(dout, q, k, v, out, lse, opts["softmax_scale"], opts["causal"],
-                                 ctx.deterministic, opts["window_size"], opts["softcap"])
+                                 ctx.deterministic, opts["window_size"], opts["softcap"],
+                                 opts["alibi_slopes"])
         else:
             grads = varlen_bwd(dout, q, k, v, out, lse, *(opts[n] for n in VARLEN_OP_ARGS),
-                               ctx.deterministic, opts["window_size"], opts["softcap"])
+                               ctx.deterministic, opts["window_size"], opts["softcap"],
+                               opts["alibi_slopes"])
         return _input_grads(ctx, grads)

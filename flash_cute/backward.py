@@ -71,8 +71,8 @@ import torch
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
                      BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections,
                      parse_config_spec)
-from .dispatch import (NO_SOFTCAP, NO_VARLEN, NO_WINDOW, compile_kernel, partials_workspace,
-                       softmax_scales)
+from .dispatch import (NO_SOFTCAP, NO_VARLEN, NO_WINDOW, alibi_slopes2d, compile_kernel,
+                       fake_slopes, partials_workspace, softmax_scales)
 from .kernels.common.scheduler import varlen_num_tiles
 from .kernels.common.seqlen import pad_offset
 
@@ -160,14 +160,15 @@ def _sms_override(sms: int) -> int:
     return min(override, sms) if override > 0 else sms
 
 
-def unsupported_bwd_option(*, head_dim: int, softcap: float = 0.0, alibi_slopes=None,
-                           dropout_p: float = 0.0):
+def unsupported_bwd_option(*, head_dim: int, dropout_p: float = 0.0, softcap: float = 0.0,
+                           alibi: bool = False):
     """Why the fused backward cannot run this call (a string), or None if it can (batched
     and varlen alike)."""
     if head_dim not in BWD_SUPPORTED_HEAD_DIMS:
         return f"head_dim={head_dim} (fused backward supports {BWD_SUPPORTED_HEAD_DIMS})"
-    if alibi_slopes is not None:
-        return "alibi_slopes (not in the fused backward yet)"
+    if softcap > 0 and alibi:
+        # dS^T recovers the tanh from P^T (bwd_cols.tanh_grad), which ALiBi's bias shifts.
+        return "softcap together with alibi_slopes"
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p}"
     return None
@@ -308,7 +309,7 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
-                  varlen=False, local=False, softcap=False, **cfg_overrides):
+                  varlen=False, local=False, softcap=False, alibi=False, **cfg_overrides):
     import cutlass
     import cutlass.cute as cute
 
@@ -372,9 +373,9 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             *(_fake_split_args(d) if cfg.split_tail else NO_SPLIT),
             # local: the window's finite (left, right), runtime values; softcap: its factor
             *((cutlass.Int32(0), cutlass.Int32(0)) if local else NO_WINDOW),
-            cutlass.Float32(1.0) if softcap else NO_SOFTCAP)
+            cutlass.Float32(1.0) if softcap else NO_SOFTCAP, fake_slopes() if alibi else None)
     return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen, local,
-                                     softcap), args, keep_cubin)
+                                     softcap, alibi), args, keep_cubin)
 
 
 def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
@@ -456,7 +457,8 @@ _TILE_FIELDS = frozenset(("tile_m", "dq_split", "swizzle_dq"))
 
 
 def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q: int = 0,
-                      persistent: bool = False, local: bool = False, softcap: bool = False):
+                      persistent: bool = False, local: bool = False, softcap: bool = False,
+                      alibi: bool = False):
     """The batched backward's config overrides: BATCHED_TILE_M128 at d=64 (staggered unless
     the caller picks the loop's order or the persistent kernel), BATCHED_TALT at
     d=128 for long calls (one CTA per tile), and swizzled dQ rows for calls of at most
@@ -465,7 +467,8 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
     no length in any compile key. ``local`` (a sliding window) keeps the 64-row tile: the
     80-row one spilled 34 words with the window's bounds (session 43). ``softcap``: the
     tanh and dS^T's log2 spilled the causal 80-row tile with early LSE reads (22 words) and
-    d=64's 128-row tile with swizzled dQ rows (5 words), so those go (session 44)."""
+    d=64's 128-row tile with swizzled dQ rows (5 words), so those go (session 44); ``alibi``:
+    its bias spilled the 80-row tile with early LSE reads (2-5 words)."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
     out = cfg_overrides
     talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
@@ -474,7 +477,8 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
         out = {**BATCHED_TILE_M128, **stagger, **(cfg_overrides or {})}
     elif (d == 128 and not persistent and not local and seqlen_q >= talt_min
             and not chosen & _TALT_TILE_FIELDS):
-        capped = {"early_lse_d": False} if softcap and "early_lse_d" not in chosen else {}
+        capped = ({"early_lse_d": False} if (softcap or alibi) and "early_lse_d" not in chosen
+                  else {})
         return {**BATCHED_TALT, **capped, **(cfg_overrides or {})}  # dQ^T rows unpadded
     if (d in SWIZZLE_DQ_HEAD_DIMS and 0 < seqlen_q <= BWD_SWIZZLE_DQ_MAX_SEQLEN_Q
             and not persistent and not chosen & _TILE_FIELDS and not (softcap and d == 64)):
@@ -518,7 +522,7 @@ def _config(d: int, overrides: tuple) -> BwdSm90Config:
 def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                     deterministic: bool = False, varlen: bool = False,
                     persistent: bool = False, cfg_overrides=None, local: bool = False,
-                    softcap: bool = False):
+                    softcap: bool = False, alibi: bool = False):
     """(pre, main, post for dq, batched post for the GQA dK/dV sums) compiled TVM-FFI
     functions; pre/post are shared across the flags and keyed by the main kernel's tile_m
     (their padding unit), pdl (how they are chained to it) and, for dq, cfg.dq_swizzle and
@@ -532,10 +536,12 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
                                     swizzle_dq=sw_dq))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
-                 extra) + (("local",) if local else ()) + (("softcap",) if softcap else ()),
+                 extra) + (("local",) if local else ()) + (("softcap",) if softcap else ())
+                + (("alibi",) if alibi else ()),
                 lambda: _compile_main(arch, dtype_name, d, causal, gqa,
                                       deterministic=deterministic, varlen=varlen, local=local,
-                                      softcap=softcap, persistent=persistent, **overrides))
+                                      softcap=softcap, alibi=alibi, persistent=persistent,
+                                      **overrides))
     post = _get(("bwd_post", arch, dtype_name, d, False, tm, pdl, None),
                 lambda: _compile_post(arch, dtype_name, d, tile_m=tm, pdl=pdl))
     sw, panels = cfg.dq_swizzle, cfg.dq_panels
@@ -642,7 +648,7 @@ def _row_scratch(rows: tuple, dq_row: int, d: int, device):
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float, causal: bool,
         deterministic: bool = False, persistent: bool | None = None, cfg_overrides=None,
-        window=None, softcap: float = 0.0):
+        window=None, softcap: float = 0.0, alibi_slopes=None):
     """Gradients of attention (batched layout). Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (b, sq, h, d); k, v (b, sk, hk, d), h % hk == 0; lse fp32 (b, h, sq) natural
@@ -651,7 +657,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cfg_overrides: BwdSm90Config fields of the main kernel (experiments, bench/exp_bwd.py);
     pre / post and the allocations follow its tile_m. window: a sliding window's finite
     (left, right) from dispatch.window_bounds (causal set), or None. softcap: > 0 for
-    softcapped scores (the forward's).
+    softcapped scores (the forward's); alibi_slopes: fp32 (h,) or (b, h), or None.
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -662,7 +668,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     persistent = _resolve_persistent(persistent, d)
     cfg_overrides = split_tail_overrides(
         d, batched_overrides(d, cfg_overrides, bool(causal), sq, persistent,
-                             window is not None, softcap > 0), bool(causal),
+                             window is not None, softcap > 0, alibi_slopes is not None),
+        bool(causal),
         bool(deterministic), persistent, sq)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
@@ -670,7 +677,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                bool(causal), gqa, bool(deterministic),
                                                persistent=persistent,
                                                cfg_overrides=cfg_overrides,
-                                               local=window is not None, softcap=softcap > 0)
+                                               local=window is not None, softcap=softcap > 0,
+                                               alibi=alibi_slopes is not None)
     # bwd_pre first, with only what it needs: the rest of the host work below runs while the
     # GPU does it (a training step's backward is host-bound on slow hosts otherwise).
     sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
@@ -694,7 +702,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          softmax_scale, *NO_VARLEN,
          *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal),
          *(_split_args(q.device, cfg, b * h, sq, sk, causal or deterministic)
-           if cfg.split_tail else NO_SPLIT), *(window or NO_WINDOW), softcap_scale)
+           if cfg.split_tail else NO_SPLIT), *(window or NO_WINDOW), softcap_scale,
+         alibi_slopes2d(alibi_slopes, b, h))
     post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
@@ -733,7 +742,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
                deterministic: bool = False, persistent: bool | None = None,
-               cfg_overrides=None, window=None, softcap: float = 0.0):
+               cfg_overrides=None, window=None, softcap: float = 0.0, alibi_slopes=None):
     """Gradients of varlen attention. Returns ``(dq, dk, dv)`` like q, k, v.
 
     q, out, dout (total_q, h, d); k, v (total_k, hk, d); lse fp32 (h, total_q) as returned by
@@ -741,7 +750,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     seqused come out 0 (they take no part in the attention). Same three launches as ``bwd``,
     over the padded per-sequence rows of common/seqlen.py; nothing here reads cu_seqlens on
     the host (no sync) and no length enters the compile key. persistent, cfg_overrides,
-    window, softcap: as in ``bwd``.
+    window, softcap, alibi_slopes: as in ``bwd``.
     """
     total_q, h, d = q.shape
     total_k, hk = k.shape[0], k.shape[1]
@@ -757,7 +766,8 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                                bool(causal), gqa, bool(deterministic),
                                                varlen=True, persistent=persistent,
                                                cfg_overrides=cfg_overrides,
-                                               local=window is not None, softcap=softcap > 0)
+                                               local=window is not None, softcap=softcap > 0,
+                                               alibi=alibi_slopes is not None)
     # As in the forward: cu_seqlens[1:] bounds every length, so it stands in for seqused.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
@@ -788,7 +798,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
          softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q, used_k,
          *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), max_seqlen_k,
                       cfg.tile_n, d, batch * h, causal)[:2], None, *NO_SPLIT,
-         *(window or NO_WINDOW), softcap_scale)
+         *(window or NO_WINDOW), softcap_scale, alibi_slopes2d(alibi_slopes, batch, h))
     post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)

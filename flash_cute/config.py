@@ -229,6 +229,8 @@ LOCAL_NARROW_MAX_SPAN = {64: 2048, 192: 1024, 256: 2048}
 # (C7512) once the tanh joined the softmax (session 44, SASS): (d, varlen, narrow) -> fields.
 SOFTCAP_FWD_OVERRIDES = {(128, True, False): {"q_in_regs": False},
                          (256, False, True): {"packed_p_cvt": False}}
+# ... and once ALiBi's bias joined it (same key).
+ALIBI_FWD_OVERRIDES = {(192, False, True): {"packed_p_cvt": False}}
 
 
 def narrow_fwd(d: int, causal: bool, seqlen_q: int) -> bool:

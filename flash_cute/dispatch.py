@@ -21,7 +21,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .config import (LOCAL_NARROW_MAX_SPAN, NARROW_FWD, SOFTCAP_FWD_OVERRIDES,
+from .config import (ALIBI_FWD_OVERRIDES, LOCAL_NARROW_MAX_SPAN, NARROW_FWD,
+                     SOFTCAP_FWD_OVERRIDES,
                      SUPPORTED_HEAD_DIMS,
                      VARLEN_FWD_PERSISTENT_AUTO, FwdSm90Config, fwd_config, fwd_l2_budget,
                      fwd_overrides, fwd_own_o, fwd_tile_m,
@@ -58,12 +59,10 @@ SPLIT_TAIL_MODES = ("auto", "0", "kernel", "all")
 LOCAL_NARROW_ENV = "FLASH_CUTE_FWD_LOCAL_NARROW"
 
 
-def unsupported_fwd_option(*, dropout_p=0.0, alibi_slopes=None):
+def unsupported_fwd_option(*, dropout_p=0.0):
     """Name of the first option the forward kernels cannot run yet, or None."""
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p} (dropout is not implemented; pass 0.0)"
-    if alibi_slopes is not None:
-        return "alibi_slopes (ALiBi is not implemented yet)"
     return None
 
 
@@ -145,7 +144,7 @@ def _fake_args(dtype_name: str, d: int, varlen: bool = False):
 
 def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                  keep_cubin: bool = False, local: bool = False, softcap: bool = False,
-                 **cfg_overrides):
+                 alibi: bool = False, **cfg_overrides):
     """Compile one forward variant as a TVM-FFI function: it takes torch tensors directly and
     launches on torch's current stream, with the argument checks done in C++ (the generic
     Python argument path of the DSL cost ~200 us per call, more than a short kernel)."""
@@ -156,13 +155,14 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
-    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen, local, softcap)
-    return compile_kernel(kernel, fwd_compile_args(dtype_name, cfg, varlen, local, softcap),
-                          keep_cubin)
+    kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen, local, softcap,
+                          alibi)
+    return compile_kernel(kernel, fwd_compile_args(dtype_name, cfg, varlen, local, softcap,
+                                                   alibi), keep_cubin)
 
 
 def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool, local: bool = False,
-                     softcap: bool = False):
+                     softcap: bool = False, alibi: bool = False):
     """The forward's arguments at compile time (fake tensors, runtime scalars), in the order
     of FlashFwdSm90.__call__ less its stream; a launch passes None exactly where these are None
     (tests/test_launch_args.py checks the launches against the compiles)."""
@@ -177,7 +177,24 @@ def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool, local: b
     split = _fake_split_args(cfg) if cfg.split_tail else NO_SPLIT
     window = (cutlass.Int32(0), cutlass.Int32(0)) if local else NO_WINDOW
     return (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter, *split,
-            *window, cutlass.Float32(1.0) if softcap else NO_SOFTCAP)
+            *window, cutlass.Float32(1.0) if softcap else NO_SOFTCAP,
+            fake_slopes() if alibi else None)
+
+
+def fake_slopes():
+    """ALiBi's slopes at compile time: fp32 (batch, heads), row-major (alibi_slopes2d)."""
+    import cutlass
+    import cutlass.cute as cute
+    return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()),
+                                                 stride_order=(1, 0), assumed_align=4)
+
+
+def alibi_slopes2d(alibi_slopes, batch: int, nheads: int):
+    """The kernels' (batch, heads) fp32 slopes: a (heads,) tensor repeated per batch (one
+    small copy), a (batch, heads) one as is when contiguous; None without ALiBi."""
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes.expand(batch, nheads).contiguous()
 
 
 def _split_slot_shape(cfg: FwdSm90Config):
@@ -229,18 +246,19 @@ def compile_kernel(fn, args, keep=False):
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                    persistent: bool = False, dynamic: bool = False, narrow: bool = False,
                    own_o: bool = False, split: bool = False, local: bool = False,
-                   softcap: bool = False):
+                   softcap: bool = False, alibi: bool = False):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
     own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail; local: a sliding
-    window (causal kernels; window_bounds); softcap: scores capped by tanh (softmax_scales)."""
-    flags = kernel_flags(persistent, dynamic, narrow, own_o, split, local, softcap)
+    window (causal kernels; window_bounds); softcap: scores capped by tanh (softmax_scales);
+    alibi: ALiBi's distance bias (alibi_slopes2d)."""
+    flags = kernel_flags(persistent, dynamic, narrow, own_o, split, local, softcap, alibi)
     env = fwd_env_overrides()
     key = ("fwd", arch, dtype_name, d, causal, varlen) + flags + env
     with _cache_lock:
         if key not in _cache:
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, local=local,
-                                       softcap=softcap,
+                                       softcap=softcap, alibi=alibi,
                                        **{**kernel_overrides(d, causal, varlen, flags),
                                           **dict(env)})
         return _cache[key]
@@ -261,13 +279,13 @@ def fwd_env_overrides() -> tuple:
     return out
 
 
-def kernel_flags(persistent, dynamic, narrow, own_o, split, local=False,
-                 softcap=False) -> tuple:
+def kernel_flags(persistent, dynamic, narrow, own_o, split, local=False, softcap=False,
+                 alibi=False) -> tuple:
     """get_fwd_kernel's flags that are on, in its key's order (own_o: persistent only)."""
     return ((("persistent",) if persistent else ()) + (("dynamic",) if dynamic else ())
             + (("narrow",) if narrow else ()) + (("own_o",) if own_o and persistent else ())
             + (("split",) if split else ()) + (("local",) if local else ())
-            + (("softcap",) if softcap else ()))
+            + (("softcap",) if softcap else ()) + (("alibi",) if alibi else ()))
 
 
 def kernel_overrides(d: int, causal: bool, varlen: bool, flags: tuple) -> dict:
@@ -278,8 +296,9 @@ def kernel_overrides(d: int, causal: bool, varlen: bool, flags: tuple) -> dict:
                         on.get("split", False))
     if on.get("local"):  # half_edge reads the causal diagonal's place, not the window's
         out["half_edge"] = False
-    if on.get("softcap"):
-        out.update(SOFTCAP_FWD_OVERRIDES.get((d, varlen, on.get("narrow", False)), {}))
+    for flag, table in (("softcap", SOFTCAP_FWD_OVERRIDES), ("alibi", ALIBI_FWD_OVERRIDES)):
+        if on.get(flag):
+            out.update(table.get((d, varlen, on.get("narrow", False)), {}))
     return out
 
 
@@ -299,8 +318,8 @@ _SWEEP_SMS = (132, 114, 78)
 
 def shipped_fwd_kernels():
     """(head_dim, causal, varlen, kernel_flags) of every forward kernel that fwd_plan and the
-    varlen launch pick over a sweep of shapes, with and without a sliding window and
-    softcapping: what a
+    varlen launch pick over a sweep of shapes, with and without a sliding window,
+    softcapping and ALiBi: what a
     warm JIT cache needs (the environment's overrides apply, as they do to the calls)."""
     kernels = set()
     for d, causal in itertools.product(SUPPORTED_HEAD_DIMS, (False, True)):
@@ -315,9 +334,10 @@ def shipped_fwd_kernels():
             kernels.add((d, causal, True, kernel_flags(ctas is not None, dynamic, False,
                                                        fwd_own_o(d, causal, max_k), False)))
     # A sliding window plans as causal (window_bounds) and runs the local twin of that kernel;
-    # softcapping plans as without and runs the softcap twin.
+    # softcapping and ALiBi plan as without and run their twins.
     kernels |= {(d, c, v, flags + ("local",)) for d, c, v, flags in kernels if c}
     kernels |= {(d, c, v, flags + ("softcap",)) for d, c, v, flags in kernels}
+    kernels |= {(d, c, v, flags + ("alibi",)) for d, c, v, flags in kernels}
     return sorted(kernels)
 
 
@@ -405,13 +425,14 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse fp32 (b, h, sq).
     Varlen: q (total_q, h, d) with cu_seqlens_* -> out like q, lse fp32 (h, total_q).
     """
-    why = unsupported_fwd_option(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    why = unsupported_fwd_option(dropout_p=dropout_p)
     if why is not None:
         raise NotImplementedError(f"flash_cute forward: unsupported option {why}")
     if cu_seqlens_q is not None:
         return _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                            max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
-                           causal=causal, window_size=window_size, softcap=softcap)
+                           causal=causal, window_size=window_size, softcap=softcap,
+                           alibi_slopes=alibi_slopes)
     b, sq, h, d = q.shape
     sk = k.shape[1]
     causal, window = window_bounds(window_size, causal, sq, sk)
@@ -428,7 +449,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal),
                             persistent=plan.ctas is not None, dynamic=plan.dynamic,
                             narrow=plan.narrow, own_o=plan.own_o, split=plan.split,
-                            local=window is not None, softcap=softcap > 0)
+                            local=window is not None, softcap=softcap > 0,
+                            alibi=alibi_slopes is not None)
     num_tiles = -(-sq // plan.tile_m) * b * h
     sections = l2_sections(sk, d, q.element_size(), b * h, num_tiles // (b * h),
                            plan.ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
@@ -439,7 +461,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     scale_log2, softcap_scale = softmax_scales(softmax_scale, softcap)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, scale_log2, *sections, *NO_VARLEN,
            plan.ctas, tile_counter(q.device) if plan.dynamic else None, *split,
-           *(window or NO_WINDOW), softcap_scale)
+           *(window or NO_WINDOW), softcap_scale, alibi_slopes2d(alibi_slopes, b, h))
     return out, lse
 
 
@@ -536,7 +558,8 @@ def tile_counter(device):
 
 
 def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                max_seqlen_k, *, softmax_scale, causal, window_size=(-1, -1), softcap=0.0):
+                max_seqlen_k, *, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None):
     """Packed sequences: q (total_q, h, d), k/v (total_k, hk, d) -> out, lse (h, total_q).
 
     Rows of a sequence past seqused_q are not written by the kernel (FlashAttention leaves them
@@ -561,7 +584,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal), varlen=True,
                             persistent=ctas is not None, dynamic=dynamic,
                             own_o=fwd_own_o(d, causal, max_seqlen_k), local=window is not None,
-                            softcap=softcap > 0)
+                            softcap=softcap > 0, alibi=alibi_slopes is not None)
     # cu_seqlens[b + 1] >= cu_seqlens[b + 1] - cu_seqlens[b]: as seqused it changes nothing.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
@@ -573,7 +596,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     kernel(q.detach(), k.detach(), v.detach(), out, lse, scale_log2, section, None,
            cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
            tile_counter(q.device) if dynamic else None, *NO_SPLIT, *(window or NO_WINDOW),
-           softcap_scale)
+           softcap_scale, alibi_slopes2d(alibi_slopes, batch, h))
     return out, lse
 
 

@@ -24,8 +24,7 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
     validation.check_flag("return_attn_probs", return_attn_probs)
     opts = validation.validate_fwd(q, k, v, validate_cu_seqlens=validate_cu_seqlens,
                                    require_cuda=_REQUIRE_CUDA, **options)
-    why = dispatch.unsupported_fwd_option(dropout_p=opts["dropout_p"],
-                                          alibi_slopes=opts["alibi_slopes"])
+    why = dispatch.unsupported_fwd_option(dropout_p=opts["dropout_p"])
     if why is not None:
         raise NotImplementedError(f"flash_cute: unsupported option {why}")
     causal, window = dispatch.window_bounds(opts["window_size"], opts["causal"], 0, 0)
@@ -39,12 +38,12 @@ def _run(q, k, v, *, varlen, return_attn_probs, deterministic, validate_cu_seqle
     elif varlen:
         out, lse = torch.ops.flash_cute.varlen_fwd(q, k, v, *(opts[n] for n in VARLEN_OP_ARGS),
                                                    deterministic, *opts["window_size"],
-                                                   opts["softcap"])
+                                                   opts["softcap"], opts["alibi_slopes"])
     else:
         # The check above leaves every other option at its default, so the op needs only these.
         out, lse = torch.ops.flash_cute.fwd(q, k, v, opts["softmax_scale"], opts["causal"],
                                             deterministic, *opts["window_size"],
-                                            opts["softcap"])
+                                            opts["softcap"], opts["alibi_slopes"])
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -90,20 +90,20 @@ def qkv_inputs(b, sq, sk, h, hk, d, dtype=BF16, seed=0, scale=1.0):
 
 
 def run_and_check(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                  softcap=0.0):
+                  softcap=0.0, alibi_slopes=None):
     """flash_cute vs the oracle: out and lse, finite outputs, inputs left untouched."""
     before = [t.clone() for t in (q, k, v)]
     poison_allocator()
     out, lse, probs = flash_attn_func(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                       window_size=window_size, softcap=softcap,
-                                      return_attn_probs=True)
+                                      alibi_slopes=alibi_slopes, return_attn_probs=True)
     b, sq, h, _ = q.shape
     assert out.shape == q.shape[:-1] + v.shape[-1:] and out.dtype == q.dtype
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
     assert probs is None
     assert torch.isfinite(out).all(), "out has non-finite values (unwritten or overflowed)"
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-              softcap=softcap)
+              softcap=softcap, alibi_slopes=alibi_slopes)
     ref, ref_lse = attention_ref(q, k, v, **kw)
     low, low_lse = attention_ref(q, k, v, upcast=False, **kw)
     check_close(out, ref, low, name="out")
@@ -125,18 +125,18 @@ def oracle_grads(q, k, v, dout, wanted, *, upcast, **kw):
 
 
 def check_grads(q, k, v, wanted, *, causal=False, softmax_scale=None, seed=10,
-                window_size=(-1, -1), deterministic=False, softcap=0.0):
+                window_size=(-1, -1), deterministic=False, softcap=0.0, alibi_slopes=None):
     """flash_cute's dq/dk/dv (for the inputs in ``wanted``) vs the oracle's fp32 autograd;
     returns them."""
     leaves = [t.detach().clone().requires_grad_(i in wanted) for i, t in enumerate((q, k, v))]
     poison_allocator()
     out = flash_attn_func(*leaves, causal=causal, softmax_scale=softmax_scale,
                           window_size=window_size, deterministic=deterministic,
-                          softcap=softcap)
+                          softcap=softcap, alibi_slopes=alibi_slopes)
     dout = rand(*out.shape, dtype=out.dtype, seed=seed)
     got = torch.autograd.grad(out, [leaves[i] for i in wanted], dout)
     kw = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-              softcap=softcap)
+              softcap=softcap, alibi_slopes=alibi_slopes)
     ref = oracle_grads(q, k, v, dout, wanted, upcast=True, **kw)
     low = oracle_grads(q, k, v, dout, wanted, upcast=False, **kw)
     names = ["d" + "qkv"[i] for i in wanted]
@@ -184,11 +184,11 @@ def varlen_inputs(lens_q, lens_k, h, hk, d, dtype=BF16, seed=0, grad=False, scal
 
 
 def varlen_grads(q, k, v, cu_q, cu_k, max_q, max_k, dout, *, causal, deterministic=False,
-                 window_size=(-1, -1), softcap=0.0, **used):
+                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, **used):
     """(dq, dk, dv) of flash_attn_varlen_func, on poisoned output memory."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     poison_allocator()
     out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=causal,
                                  deterministic=deterministic, window_size=window_size,
-                                 softcap=softcap, **used)
+                                 softcap=softcap, alibi_slopes=alibi_slopes, **used)
     return torch.autograd.grad(out, leaves, dout)

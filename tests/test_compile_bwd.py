@@ -100,37 +100,47 @@ def test_bwd_main_local_compiles(d, varlen, deterministic, gqa, seqlen_q, tmp_pa
     check_main_sass(sass_opcodes(cubin, tmp_path))
 
 
-# Softcap backward kernels: the tiles the host picks per head dim (batched short and long
-# calls, causal and not; varlen), with GQA / deterministic, and with a window.
-SOFTCAP_BWD = ([(d, c, False, False, False, sq, False) for d in BWD_SUPPORTED_HEAD_DIMS
-                for c in (False, True) for sq in (512, backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q)]
-               + [(d, c, True, False, False, 0, False) for d in BWD_SUPPORTED_HEAD_DIMS
-                  for c in (False, True)]
-               + [(d, True, v, True, True, 0, True) for d in (64, 128, 256)
-                  for v in (False, True)])
+# Softcap / ALiBi backward kernels: the tiles the host picks per head dim (batched short and
+# long calls, causal and not; varlen), with GQA / deterministic, and with a window.
+SCORE_MOD_BWD = ([(d, c, False, False, False, sq, False) for d in BWD_SUPPORTED_HEAD_DIMS
+                  for c in (False, True)
+                  for sq in (512, backward.BWD_TALT_CAUSAL_MIN_SEQLEN_Q)]
+                 + [(d, c, True, False, False, 0, False) for d in BWD_SUPPORTED_HEAD_DIMS
+                    for c in (False, True)]
+                 + [(d, True, v, True, True, 0, True) for d in (64, 128, 256)
+                    for v in (False, True)])
 
 
-@pytest.mark.parametrize("d,causal,varlen,deterministic,gqa,seqlen_q,local", SOFTCAP_BWD,
+@functools.lru_cache(maxsize=None)
+def twin_cubin(d, causal, gqa, deterministic, varlen, local, overrides):
+    """The kernel without score modifications, compiled once per session."""
+    return backward.bwd_cubin(ARCH, "BFloat16", d, causal, gqa, deterministic, varlen=varlen,
+                              local=local, **dict(overrides))
+
+
+@pytest.mark.parametrize("mods", ["softcap", "alibi"])
+@pytest.mark.parametrize("d,causal,varlen,deterministic,gqa,seqlen_q,local", SCORE_MOD_BWD,
                          ids=str)
-def test_bwd_main_softcap_compiles(d, causal, varlen, deterministic, gqa, seqlen_q, local,
-                                   tmp_path, monkeypatch):
-    """The tanh before the mask and dS^T's 1 - tanh^2 from P^T (one MUFU.LG2 more per score):
-    spill-free, wgmma not serialized, the twin's HGMMA count."""
+def test_bwd_main_score_mod_compiles(d, causal, varlen, deterministic, gqa, seqlen_q, local,
+                                     mods, tmp_path, monkeypatch):
+    """Softcap's tanh before the mask and dS^T's 1 - tanh^2 from P^T (one MUFU.LG2 more per
+    score); ALiBi's bias before the mask: spill-free, wgmma not serialized, the twin's HGMMA
+    count."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    on = {mods: True}  # both together run the fp32 recompute (unsupported_bwd_option)
     ov = {} if varlen else (backward.batched_overrides(d, None, causal, seqlen_q,
-                                                       local=local, softcap=True) or {})
-    ops = [sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, gqa, deterministic,
-                                           varlen=varlen, local=local, softcap=True, **ov),
-                        tmp_path)]
+                                                       local=local, **on) or {})
+    ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, gqa, deterministic,
+                                          varlen=varlen, local=local, **on, **ov), tmp_path)
     twin = {} if varlen else (backward.batched_overrides(d, None, causal, seqlen_q,
                                                          local=local) or {})
-    ops.insert(0, sass_opcodes(backward.bwd_cubin(
-        ARCH, "BFloat16", d, causal, gqa, deterministic, varlen=varlen, local=local, **twin),
-        tmp_path))
-    check_main_sass(ops[1])
-    assert ops[1]["HGMMA"] == ops[0]["HGMMA"]
-    assert ops[1].get("MUFU", 0) > ops[0].get("MUFU", 0), "no tanh / log2"
+    ref = sass_opcodes(twin_cubin(d, causal, gqa, deterministic, varlen, local,
+                                  tuple(sorted(twin.items()))), tmp_path)
+    check_main_sass(ops)
+    assert ops["HGMMA"] == ref["HGMMA"]
+    if mods == "softcap":
+        assert ops.get("MUFU", 0) > ref.get("MUFU", 0), "no tanh / log2"
 
 
 def test_bwd_local_needs_causal():

@@ -28,19 +28,21 @@ pytestmark = gpu_module_marks()
 
 
 def varlen_run_and_check(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, seqused_q=None,
-                         seqused_k=None, oracle_qkv=None, window_size=(-1, -1), softcap=0.0):
+                         seqused_k=None, oracle_qkv=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None):
     """flash_attn_varlen_func vs the oracle (out and lse) on poisoned output memory.
     oracle_qkv: the inputs the oracle sees, when unused rows of q/k/v hold NaN on purpose."""
     used = dict(seqused_q=seqused_q, seqused_k=seqused_k)
     poison_allocator()
     out, lse, probs = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                              window_size=window_size, return_attn_probs=True,
-                                             softcap=softcap, **used)
+                                             softcap=softcap, alibi_slopes=alibi_slopes,
+                                             **used)
     assert out.shape == q.shape and out.dtype == q.dtype and probs is None
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
     assert torch.isfinite(out).all(), "out has non-finite values (rows left unwritten?)"
     kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=window_size,
-              softcap=softcap, **used)
+              softcap=softcap, alibi_slopes=alibi_slopes, **used)
     qkv = oracle_qkv or (q, k, v)
     ref, ref_lse = attention_ref(*qkv, **kw)
     low, low_lse = attention_ref(*qkv, upcast=False, **kw)
@@ -238,7 +240,7 @@ def test_varlen_torch_compile_matches_eager():
 
 def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, seqused_k=None,
                        seed=43, dtype=BF16, nan_unused=False, window_size=(-1, -1),
-                       deterministic=False, softcap=0.0, scale=1.0):
+                       deterministic=False, softcap=0.0, scale=1.0, alibi_slopes=None):
     """Gradients vs the fp32 oracle's (one atol for the set, check_grads_close). nan_unused:
     q/k/v/dout rows past seqused hold NaN (the oracle sees zeros there) and must reach no
     gradient; gradient rows past seqused must be exactly 0."""
@@ -257,9 +259,9 @@ def check_varlen_grads(lens_q, lens_k, h, hk, d, *, causal, seqused_q=None, sequ
         if nan_unused else clean
     got = varlen_grads(*inputs[:3], cu_q, cu_k, max_q, max_k, inputs[3], causal=causal,
                        window_size=window_size, deterministic=deterministic, softcap=softcap,
-                       **used)
+                       alibi_slopes=alibi_slopes, **used)
     kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window_size=window_size,
-              softcap=softcap, **used)
+              softcap=softcap, alibi_slopes=alibi_slopes, **used)
     ref = oracle_grads(*clean[:3], clean[3], (0, 1, 2), upcast=True, **kw)
     low = oracle_grads(*clean[:3], clean[3], (0, 1, 2), upcast=False, **kw)
     for i, m in zip(range(3), masks):

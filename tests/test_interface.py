@@ -359,6 +359,7 @@ def test_interim_varlen_bwd_matches_reference_autograd(data):
     hk = data.draw(st.sampled_from([1, 2]), label="hk")
     used = data.draw(st.booleans(), label="seqused")
     softcap = data.draw(st.sampled_from([0.0, 0.7, 5.0]), label="softcap")
+    slopes = data.draw(st.sampled_from([None, "h", "bh"]), label="alibi")
     cu_q, cu_k = (torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
                   for lens in (lens_q, lens_k))
     g = torch.Generator().manual_seed(sum(lens_q) * 31 + sum(lens_k))
@@ -367,11 +368,14 @@ def test_interim_varlen_bwd_matches_reference_autograd(data):
     dout = torch.randn(q.shape, generator=g)
     uq = torch.tensor([n - n // 3 for n in lens_q], dtype=torch.int32) if used else None
     uk = torch.tensor([n - n // 4 for n in lens_k], dtype=torch.int32) if used else None
+    slopes = {None: None, "h": torch.rand(4, generator=g),
+              "bh": torch.rand(b, 4, generator=g)}[slopes]
     got = _interim_varlen_bwd(dout, q, k, v, cu_q, cu_k, uq, uk, 0.2, causal,
-                              softcap=softcap)
+                              softcap=softcap, alibi_slopes=slopes)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, _ = attention_ref(*leaves, softmax_scale=0.2, causal=causal, cu_seqlens_q=cu_q,
-                           cu_seqlens_k=cu_k, seqused_q=uq, seqused_k=uk, softcap=softcap)
+                           cu_seqlens_k=cu_k, seqused_q=uq, seqused_k=uk, softcap=softcap,
+                           alibi_slopes=slopes)
     want = (torch.autograd.grad(out, leaves, dout, allow_unused=True, materialize_grads=True)
             if out.requires_grad else [torch.zeros_like(t) for t in leaves])
     for name, a, w in zip("qkv", got, want):
@@ -510,5 +514,76 @@ def test_torch_compile_softcap_fullgraph(standin):
         torch._dynamo.reset()
     assert counter.frame_count == 1 and "flash_cute.fwd" in counter.graphs[0].code
     assert standin[-1]["softcap"] == 1.5
+    for a, b in zip(got, torch.autograd.grad(loss(*args), args)):
+        assert torch.equal(a, b)
+
+
+# ---- ALiBi through both paths
+
+@pytest.mark.parametrize("slopes_2d", [False, True])
+@pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.0), (False, 3.0)])
+def test_alibi_eager_grads(standin, slopes_2d, causal, softcap):
+    """alibi_slopes reach the forward and the (interim) backward, batched and varlen, with
+    causal and softcap: the oracle's gradients with the same slopes."""
+    slopes = torch.rand(2, 4) if slopes_2d else torch.rand(4)
+    q, k, v = rand(2, 6, 4, 64), rand(2, 9, 2, 64, seed=1), rand(2, 9, 2, 64, seed=2)
+    dout = rand(2, 6, 4, 64, seed=3, grad=False)
+    out = flash_cute.flash_attn_func(q, k, v, causal=causal, softcap=softcap,
+                                     alibi_slopes=slopes)
+    assert standin[-1]["alibi_slopes"] is slopes
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    for g, want in zip(got, ref_grads(q, k, v, dout, causal=causal, softcap=softcap,
+                                      alibi_slopes=slopes)):
+        torch.testing.assert_close(g, want.to(BF16), **ONE_BF16_STEP)
+    cu, used, q, k, v = _varlen_case()
+    slopes = torch.rand(4, 4) if slopes_2d else torch.rand(4)
+    out = flash_cute.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=causal,
+                                            softcap=softcap, alibi_slopes=slopes,
+                                            seqused_q=used, seqused_k=used)
+    dout = rand(*out.shape, seed=4, grad=False)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref, _ = attention_ref(*leaves, causal=causal, softcap=softcap, alibi_slopes=slopes,
+                           cu_seqlens_q=cu, cu_seqlens_k=cu, seqused_q=used, seqused_k=used)
+    want = torch.autograd.grad(ref, leaves, dout.float())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.to(BF16), **ONE_BF16_STEP)
+
+
+def test_opcheck_alibi(standin):
+    q, k, v = (rand(2, 5, 4, 64, grad=False), rand(2, 7, 2, 64, seed=1, grad=False),
+               rand(2, 7, 2, 64, seed=2, grad=False))
+    args = (0.3, True, False, -1, -1, 0.0, torch.rand(4))
+    torch.library.opcheck(torch.ops.flash_cute.fwd.default, (q, k, v, *args),
+                          test_utils=OPCHECK_TESTS)
+    out, lse = torch.ops.flash_cute.fwd(q, k, v, *args)
+    dout = rand(2, 5, 4, 64, seed=3, grad=False)
+    torch.library.opcheck(torch.ops.flash_cute.bwd.default,
+                          (dout, q, k, v, out, lse, *args), test_utils=OPCHECK_TESTS)
+    cu, used, q, k, v = _varlen_case()
+    q, k, v = (t.detach() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flash_cute.varlen_fwd.default,
+                          (q, k, v, cu, cu, used, used, 6, 6, *args[:-1], torch.rand(4, 4)),
+                          test_utils=OPCHECK_TESTS)
+
+
+def test_torch_compile_alibi_fullgraph(standin):
+    """torch.compile over an ALiBi call: one graph, the eager gradients bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    slopes = torch.rand(4)
+
+    def loss(q, k, v):
+        return flash_cute.flash_attn_func(q, k, v, causal=True,
+                                          alibi_slopes=slopes).float().square().mean()
+
+    args = (rand(2, 6, 4, 64), rand(2, 8, 2, 64, seed=1), rand(2, 8, 2, 64, seed=2))
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=counter)(*args),
+                                  args)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1 and "flash_cute.fwd" in counter.graphs[0].code
     for a, b in zip(got, torch.autograd.grad(loss(*args), args)):
         assert torch.equal(a, b)

@@ -96,9 +96,9 @@ def test_window_launches_match_compile(launched, monkeypatch, d, window, walk):
     dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=False, window_size=window,
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
-    for launch in launched:  # the window, then softcap_scale (None: no softcap)
-        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-3:-1])
-        assert launch.args[-1] is None
+    for launch in launched:  # the window, then softcap_scale and the slopes (None: neither)
+        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-4:-2])
+        assert launch.args[-2:] == (None, None)
 
 
 @pytest.mark.parametrize("walk,split", WALKS)
@@ -117,8 +117,30 @@ def test_softcap_launches_match_compile(launched, monkeypatch, d, window, walk, 
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:
-        assert launch.args[-1] == pytest.approx(0.1 / 20.0)
+        assert launch.args[-2] == pytest.approx(0.1 / 20.0) and launch.args[-1] is None
         assert launch.args[5] == pytest.approx(20.0 * dispatch.LOG2E)
+
+
+@pytest.mark.parametrize("walk,split", WALKS)
+@pytest.mark.parametrize("slopes_2d", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_alibi_launches_match_compile(launched, monkeypatch, d, slopes_2d, walk, split):
+    """ALiBi, batched and varlen, over every walk: the slopes go last as a contiguous fp32
+    (batch, heads) tensor, a (heads,) one repeated per batch (per sequence, varlen)."""
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, walk)
+    monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, split)
+    slopes = torch.rand(2, 4) if slopes_2d else torch.rand(4)
+    q, k, v = _qkv((2, 700, 4, d), (2, 2500, 2, d))
+    dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False, alibi_slopes=slopes)
+    cu = torch.tensor([0, 300, 1200], dtype=torch.int32)
+    q, k, v = _qkv((1200, 4, d), (1200, 2, d))
+    dispatch.fwd(q, k, v, softmax_scale=0.1, causal=True, alibi_slopes=slopes,
+                 cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
+    assert len(launched) == 2
+    for launch in launched:
+        got = launch.args[-1]
+        assert got.shape == (2, 4) and got.is_contiguous() and got.dtype == torch.float32
+        assert torch.equal(got, slopes.expand(2, 4))
 
 
 def test_split_static_walk_launch(launched, monkeypatch):
@@ -209,8 +231,28 @@ def test_backward_softcap_launches_match_compile(launched, d, hk, causal, determ
     mains = [c for c in launched if c.name in ("FlashBwdSm90", "FlashBwdWideSm90")]
     assert len(mains) == 3
     for main in mains:
-        assert main.args[-1] == pytest.approx(0.1 / 20.0)
+        assert main.args[-2] == pytest.approx(0.1 / 20.0) and main.args[-1] is None
         assert main.args[10] == pytest.approx(20.0 * dispatch.LOG2E)
+
+
+@pytest.mark.parametrize("causal,deterministic", [(False, False), (True, True)])
+@pytest.mark.parametrize("d,hk", [(64, 4), (128, 2), (256, 1)])
+def test_backward_alibi_launches_match_compile(launched, d, hk, causal, deterministic):
+    """The ALiBi backward kernels, batched (short and long calls) and varlen: the (batch,
+    heads) slopes last."""
+    slopes = torch.rand(4)
+    for sq in (700, 16384):
+        q, k, v = _qkv((1, sq, 4, d), (1, 900, hk, d))
+        backward.bwd(q, q, k, v, q, torch.zeros(1, 4, sq), softmax_scale=0.1, causal=causal,
+                     deterministic=deterministic, alibi_slopes=slopes)
+    cu = torch.tensor([0, 300, 700], dtype=torch.int32)
+    q, k, v = _qkv((700, 4, d), (700, hk, d))
+    backward.varlen_bwd(q, q, k, v, q, torch.zeros(4, 700), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                        max_seqlen_q=400, max_seqlen_k=400, softmax_scale=0.1, causal=causal,
+                        deterministic=deterministic, alibi_slopes=slopes)
+    mains = [c for c in launched if c.name in ("FlashBwdSm90", "FlashBwdWideSm90")]
+    assert [m.args[-1].shape for m in mains] == [(1, 4), (1, 4), (2, 4)]
+    assert all(m.args[-2] is None for m in mains)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -227,7 +269,7 @@ def test_backward_window_launches_match_compile(launched, d, hk, deterministic):
                         deterministic=deterministic, window=(3, 800))
     mains = [x for x in launched if x.name.startswith("FlashBwd") and "Pre" not in x.name
              and "Post" not in x.name]
-    assert [x.args[-3:] for x in mains] == [(64, 5, None), (3, 800, None)]  # no softcap
+    assert [x.args[-4:] for x in mains] == [(64, 5, None, None), (3, 800, None, None)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -237,7 +279,7 @@ def test_autograd_path_launches(launched, monkeypatch, causal):
     batched and varlen."""
     from flash_cute import autograd, flash_attn_func, flash_attn_varlen_func, interface
     monkeypatch.setattr(interface, "_REQUIRE_CUDA", False)
-    monkeypatch.setattr(autograd, "_fused_bwd_applies", lambda q: True)  # CPU tensors here
+    monkeypatch.setattr(autograd, "_fused_bwd_applies", lambda q, *opts: True)  # CPU here
     q, k, v = (t.requires_grad_() for t in _qkv((2, 300, 4, 128), (2, 300, 2, 128)))
     flash_attn_func(q, k, v, causal=causal).sum().backward()
     kernels = ["FlashFwdSm90", "FlashBwdPreSm90", "FlashBwdSm90", "FlashBwdPostSm90",
@@ -302,7 +344,7 @@ def test_backward_split_tail_launch(launched, monkeypatch, d, causal, determinis
     backward.bwd(q, q, k, v, q, torch.zeros(2, 2, sq), softmax_scale=0.1, causal=causal,
                  deterministic=deterministic, persistent=False)
     main = next(launch for launch in launched if launch.name == "FlashBwdSm90")
-    tail_start, pieces, partial, tickets = main.args[-7:-3]  # then the window, softcap
+    tail_start, pieces, partial, tickets = main.args[-8:-4]  # window, softcap, slopes
     split = not causal and not deterministic and (long_call or bool(env))
     assert main.split == (split or bool(env))
     if not main.split:

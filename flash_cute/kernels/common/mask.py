@@ -1,7 +1,9 @@
-"""Score masks: the ragged key tail and bottom-right causal, applied only where needed.
+"""Score masks: the ragged key tail and bottom-right causal, applied only where needed; and
+ALiBi's distance bias, on every block.
 
 Causal is aligned bottom-right as in FlashAttention-2 >= 2.1: query row i (of seqlen_q) may see
-key j (of seqlen_k) iff j <= i + seqlen_k - seqlen_q.
+key j (of seqlen_k) iff j <= i + seqlen_k - seqlen_q. ALiBi's distance is measured from the
+same diagonal: |i + seqlen_k - seqlen_q - j|.
 """
 import cutlass
 import cutlass.cute as cute
@@ -80,3 +82,41 @@ def apply_mask_key_major(acc_St: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Ten
             for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                 col = c0_mn[r, c][1]
                 s_mn[r, c] = s_mn[r, c] if col >= low and col < high else -Float32.inf
+
+
+@cute.jit
+def add_alibi(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_block: Int32,
+              n_block: Int32, tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
+              seqlen_q: Int32, seqlen_k: Int32, slope: Float32):
+    """ALiBi in place: s -= slope * |i + seqlen_k - seqlen_q - j|, ``slope`` in the units of
+    S (the kernels divide the user's slope by the factor their softmax applies to S). Each
+    row's diagonal is converted to fp32 once, in thread-0 column coordinates; per element one
+    FADD (the |.| is an operand modifier) and one FFMA."""
+    s_mn = acc_as_mn(acc_S)
+    c_mn = acc_as_mn(tScS)
+    c0_mn = acc_as_mn(t0ScS)
+    row0, col0 = c_mn[0, 0][0], c_mn[0, 0][1]
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        row = m_block * tile_m + row0 + c0_mn[r, 0][0]
+        diag = Float32(row + seqlen_k - seqlen_q - n_block * tile_n - col0)
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            dist = cute.math.absf(diag - Float32(c0_mn[r, c][1]))
+            s_mn[r, c] = s_mn[r, c] - slope * dist
+
+
+@cute.jit
+def add_alibi_key_major(acc_St: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor,
+                        n_block: Int32, m_block: Int32, tile_n: cutlass.Constexpr[int],
+                        tile_m: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32,
+                        slope: Float32):
+    """add_alibi on the backward's transposed tile S^T (rows = keys, columns = queries)."""
+    s_mn = acc_as_mn(acc_St)
+    c_mn = acc_as_mn(tScS)
+    c0_mn = acc_as_mn(t0ScS)
+    row0, col0 = c_mn[0, 0][0], c_mn[0, 0][1]
+    for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+        key = n_block * tile_n + row0 + c0_mn[r, 0][0]
+        base = Float32(m_block * tile_m + col0 + seqlen_k - seqlen_q - key)
+        for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+            dist = cute.math.absf(base + Float32(c0_mn[r, c][1]))
+            s_mn[r, c] = s_mn[r, c] - slope * dist

@@ -17,6 +17,7 @@ from .layout import acc_as_mn
 
 THREADS_PER_ROW = 4  # a wgmma accumulator row lives in one quad of lanes
 LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
 # Lazy rescale: a row keeps its running max until a new block's max passes it by more than
 # this (exp2 units), so P <= 2^8 (exact in fp32, in range for fp16 / bf16 P) and most blocks
 # leave O's scale alone.

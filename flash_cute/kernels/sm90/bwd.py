@@ -110,8 +110,8 @@ from ...config import BWD_TIMELINE, BwdSm90Config
 from ..common import block_info, scheduler
 from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx,
                              select_modes, store_packed, transpose_mn)
-from ..common.mask import apply_mask_key_major
-from ..common.softmax import softcap_scores
+from ..common.mask import add_alibi_key_major, apply_mask_key_major
+from ..common.softmax import LOG2E, softcap_scores
 from . import bwd_cols, bwd_split, pdl
 from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_tiles import KeyTileWalk
@@ -136,7 +136,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
 
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
                  deterministic: bool = False, varlen: bool = False, local: bool = False,
-                 softcap: bool = False):
+                 softcap: bool = False, alibi: bool = False):
         """``dkv_dtype``: element type of the dK / dV outputs (the input dtype, or Float32 for
         the per-query-head GQA buffers that bwd_post sums). ``deterministic``: key blocks add
         into a query block's dQaccum in key-block order (a semaphore per query block).
@@ -144,10 +144,13 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         ``local``: sliding window, a causal kernel whose diagonal and left edge come from the
         runtime window_left / window_right (block_info). ``softcap``: scores capped by tanh
         (the runtime softcap_scale = softmax_scale / softcap; dS^T picks up 1 - tanh^2,
-        bwd_cols.tanh_grad)."""
+        bwd_cols.tanh_grad). ``alibi``: ALiBi's distance bias on S^T (mask.py), slopes a
+        runtime (batch, heads) tensor; the bias is no function of Q or K, so dS^T is
+        unchanged."""
         check_local(cfg, causal, local)
         self.local = local
         self.softcap = softcap
+        self.alibi = alibi
         self.deterministic = deterministic
         self.persistent = cfg.persistent
         self.varlen = varlen
@@ -237,7 +240,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                  pieces: Optional[Int32], mPartial: Optional[cute.Tensor],
                  mTickets: Optional[cute.Tensor], window_left: Optional[Int32],
                  window_right: Optional[Int32], softcap_scale: Optional[Float32],
-                 stream: cuda.CUstream):
+                 mSlopes: Optional[cute.Tensor], stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
         dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
@@ -250,7 +253,8 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         (varlen: tail_section None, sections are per sequence). cfg.split_tail (else the four
         None): tail_start, pieces, mPartial (pieces in all, values, mma threads) fp32 and
         mTickets (tail tiles,) int32 (bwd_split.py). window_left / window_right: local only;
-        softcap_scale: softcap only (scale_log2 is then softcap * log2(e)), else None."""
+        softcap_scale: softcap only (scale_log2 is then softcap * log2(e)), else None.
+        mSlopes: alibi only, fp32 (batch, heads), else None."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
@@ -350,7 +354,8 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sLSE_layout,
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                     mSeqUsedK, *sections, tma_dk, tma_dv, tma_mdK, tma_mdV, tail_start, pieces,
-                    mPartial, mTickets, window_left, window_right, softcap_scale).launch(
+                    mPartial, mTickets, window_left, window_right, softcap_scale,
+                    mSlopes).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -426,11 +431,12 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                tail_start: Optional[Int32], pieces: Optional[Int32],
                mPartial: Optional[cute.Tensor], mTickets: Optional[cute.Tensor],
                window_left: Optional[Int32], window_right: Optional[Int32],
-               softcap_scale: Optional[Float32]):
+               softcap_scale: Optional[Float32], mSlopes: Optional[cute.Tensor]):
         # local: the window's finite (left, right), read by the tile ranges and masks
         self.window = (window_left, window_right) if const_expr(self.local) else None
         self.softcap_scale = softcap_scale  # softcap: the tanh's factor and 1 / scale_log2
         self.inv_k = cute.arch.rcp_approx(scale_log2) if const_expr(self.softcap) else None
+        self.mSlopes = mSlopes  # alibi: read per tile (mma_tile)
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         split = None
         if const_expr(self.cfg.split_tail):
@@ -725,13 +731,17 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                 self.zero_tail_rows((sK, sV), keys, tidx)
             q_tail_rows = seqlen_q - (m_end - 1) * tm
             q_tail = m_end - 1 if q_tail_rows < tm else Int32(-1)
+        slope = None  # alibi: this head's slope in S's units (S * scale_log2 reaches exp2)
+        if const_expr(self.alibi):
+            slope = (self.mSlopes[tile.batch, tile.head] * Float32(LOG2E)
+                     * cute.arch.rcp_approx(scale_log2))
         right = None if const_expr(self.window is None) else self.window[1]
         m_mask_end = cutlass.max(m_begin, block_info.m_block_mask_end(
             n_block, tm, tn, seqlen_q, seqlen_k, self.causal, right))
         for m_block in cutlass.range(m_begin, cutlass.min(m_mask_end, m_end), unroll=1):
             st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
-                             q_tail, q_tail_rows)
+                             q_tail, q_tail_rows, slope)
         m_left = m_end  # local: query blocks from here on cross the window's left edge
         if const_expr(self.local):
             m_left = cutlass.max(m_mask_end, cutlass.min(m_end, block_info.m_block_left_mask_start(
@@ -739,12 +749,12 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         for m_block in cutlass.range(m_mask_end, m_left, unroll=1):
             st = self.m_step(m_block, st, False, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO, sLSE,
                              sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q, seqlen_k,
-                             q_tail, q_tail_rows)
+                             q_tail, q_tail_rows, slope)
         if const_expr(self.local):
             for m_block in cutlass.range(m_left, m_end, unroll=1):
                 st = self.m_step(m_block, st, True, mma_sdp, mma_dkv, mma_dq, frags, sQ, sdO,
                                  sLSE, sD, pipe_q, pipe_do, scale_log2, wg, n_block, seqlen_q,
-                                 seqlen_k, q_tail, q_tail_rows)
+                                 seqlen_k, q_tail, q_tail_rows, slope)
         self.stamp(trace, tidx, {"blocks_done": None, "sm": cute.arch.smid,
                                  "blocks": lambda: m_end - m_begin})
         self.stamp(trace, tidx - WG_THREADS, {"wg2_done": None})
@@ -818,12 +828,13 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                    tdPrV: cute.Tensor, tdPrdO: cute.Tensor, tScS: cute.Tensor,
                    t0ScS: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor, pipe_q, pipe_do,
                    n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32,
-                   q_tail_rows: Int32, sLSE: Optional[cute.Tensor] = None):
+                   q_tail_rows: Int32, sLSE: Optional[cute.Tensor] = None, slope=None):
         """S^T = K Q^T and dP^T = V dO^T of one query block, once its Q and dO stages are in
         (varlen: rows past the sequence zeroed first). Returns with S^T complete (and masked,
         on a masked block, where dP^T is complete too); otherwise dP^T may still run.
         cfg.early_lse_d: returns this thread's LSE_log2 columns in registers, read from
-        ``sLSE`` while the GEMMs run (else None)."""
+        ``sLSE`` while the GEMMs run (else None). Softcap's tanh and ALiBi's bias (``slope``)
+        come before the mask."""
         s, s_do = st_q.index, st_do.index
         self.zero_q_tail(m_block, st_q, st_do, sQ, sdO, pipe_q, pipe_do, q_tail, q_tail_rows)
         pipe_q.consumer_wait(st_q)
@@ -836,15 +847,22 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
              wait_group=-1)
         if const_expr(masked):
             warpgroup.wait_group(0)  # the few diagonal/ragged blocks: no mask over live wgmma
-            if const_expr(self.softcap):  # before the mask: tanh(-inf) would unmask a score
-                softcap_scores(tSrS, self.softcap_scale)
+            self.score_mods(tSrS, tScS, t0ScS, n_block, m_block, seqlen_q, seqlen_k, slope)
             apply_mask_key_major(tSrS, tScS, t0ScS, n_block, m_block, self.tile_n, self.tile_m,
                                  seqlen_q, seqlen_k, self.causal, self.window)
         else:
             warpgroup.wait_group(1)  # S^T ready; dP^T may still run under the exp2
-            if const_expr(self.softcap):
-                softcap_scores(tSrS, self.softcap_scale)
+            self.score_mods(tSrS, tScS, t0ScS, n_block, m_block, seqlen_q, seqlen_k, slope)
         return lse
+
+    def score_mods(self, tSrS, tScS, t0ScS, n_block, m_block, seqlen_q, seqlen_k, slope):
+        """S^T's softcap tanh, then ALiBi's bias (each only in its kernels), before any mask:
+        tanh(-inf) would unmask a score."""
+        if const_expr(self.softcap):
+            softcap_scores(tSrS, self.softcap_scale)
+        if const_expr(slope is not None):
+            add_alibi_key_major(tSrS, tScS, t0ScS, n_block, m_block, self.tile_n, self.tile_m,
+                                seqlen_q, seqlen_k, slope)
 
     def to_16bit(self, dst: cute.Tensor, src: cute.Tensor):
         """dst (16-bit fragment) = src (fp32). Query tiles of 80 / 128 columns convert in
@@ -873,8 +891,10 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
                mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
                sD: cute.Tensor, pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32,
-               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
-        """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring)."""
+               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32,
+               slope=None):
+        """One query block: S^T, dP^T, P^T, dV, dS^T, dK, dQ (see the module docstring).
+        ``slope``: alibi's, in S's units (else None)."""
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
          tdQrdS, tdQrK, tdQrdQ, tdQsdQ, rdS, thr_store_dS, tdSsdS, tScS, t0ScS, rP) = frags
         s = st.index
@@ -882,7 +902,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
         # strictly, also across a tile boundary (m_block may restart at an equal parity).
         step = st.count if const_expr(self.persistent) else m_block
         block = (m_block, st, masked, mma_sdp, mma_dkv, frags, sQ, sdO, sLSE, sD, pipe_q,
-                 pipe_do, scale_log2, n_block, seqlen_q, seqlen_k, q_tail, q_tail_rows)
+                 pipe_do, scale_log2, n_block, seqlen_q, seqlen_k, q_tail, q_tail_rows, slope)
         if const_expr(masked and self.cfg.skips_masked_wg):
             if block_info.keys_unseen(n_block * self.tile_n + wg * KEYS_PER_WG, KEYS_PER_WG,
                                       m_block, self.tile_m, seqlen_q, seqlen_k, self.causal,
@@ -940,7 +960,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
     def dkv_block(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
                   frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor,
                   pipe_q, pipe_do, scale_log2: Float32, n_block: Int32, seqlen_q: Int32,
-                  seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
+                  seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32, slope=None):
         """m_step's part per warpgroup: S^T, dP^T, P^T, dV and dS^T (into ``rdS``); with
         cfg.stagger also dK's issue."""
         (tSrS, tdPrdP, tdVrP, tdKrdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ,
@@ -951,7 +971,7 @@ class FlashBwdSm90(DqTile, KeyTileWalk):
                 cute.make_identity_tensor((self.tile_n, self.tile_m)))
         lse = self.issue_s_dp(m_block, st, st, masked, mma_sdp, tSrS, tdPrdP, tSrK, tSrQ, tdPrV,
                               tdPrdO, tScS, t0ScS, sQ, sdO, pipe_q, pipe_do, n_block, seqlen_q,
-                              seqlen_k, q_tail, q_tail_rows, sLSE)
+                              seqlen_k, q_tail, q_tail_rows, sLSE, slope)
         self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2, lse)
         s_mn = acc_as_mn(tSrS)
         if const_expr(self.ds_from_p16):

@@ -123,11 +123,12 @@ MMA_THREADS = NUM_MMA_WG * WG_THREADS
 class FlashBwdWideSm90(FlashBwdSm90):
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
                  deterministic: bool = False, varlen: bool = False, local: bool = False,
-                 softcap: bool = False):
+                 softcap: bool = False, alibi: bool = False):
         """Arguments as FlashBwdSm90's; ``cfg`` must be a wide config (tile_n = 64)."""
         check_local(cfg, causal, local)
         self.local = local
         self.softcap = softcap
+        self.alibi = alibi
         if not cfg.wide:
             raise ValueError("FlashBwdWideSm90 needs a wide BwdSm90Config")
         if cfg.persistent:
@@ -261,9 +262,11 @@ class FlashBwdWideSm90(FlashBwdSm90):
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
                mma_dq, frags, sQ: cute.Tensor, sdO: cute.Tensor, sLSE: cute.Tensor,
                sD: cute.Tensor, pipe_q, pipe_do, scale_log2: Float32, wg: Int32, n_block: Int32,
-               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32):
+               seqlen_q: Int32, seqlen_k: Int32, q_tail: Int32, q_tail_rows: Int32,
+               slope=None):
         """One query block (see the module docstring for the order and the barriers). ``st``:
-        the Q/dO consumer state, or (Q state, dO state) with cfg.do_stages."""
+        the Q/dO consumer state, or (Q state, dO state) with cfg.do_stages. ``slope``:
+        alibi's (FlashBwdSm90.m_step)."""
         (tSrS, tdPrdP, rP, rdS, tdVrdV, tdKrdK, tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO,
          tdKrdS, tdKrQ, tdQrdS, tdQrK, tdQrdQ, tdQsdQ, thr_store, tPsPdS, tScS, t0ScS) = frags
         split = const_expr(self.cfg.do_stages != 0)
@@ -272,7 +275,7 @@ class FlashBwdWideSm90(FlashBwdSm90):
         s, s_do = st_q.index, st_do.index
         self.issue_s_dp(m_block, st_q, st_do, masked, mma_sdp, tSrS, tdPrdP, tSrK, tSrQ, tdPrV,
                         tdPrdO, tScS, t0ScS, sQ, sdO, pipe_q, pipe_do, n_block, seqlen_q,
-                        seqlen_k, q_tail, q_tail_rows)
+                        seqlen_k, q_tail, q_tail_rows, slope=slope)
         # P^T on this warpgroup's query columns.
         self.p_from_s(tSrS, tScS, t0ScS, sLSE, s, scale_log2)
         rP.store(tSrS.load().to(self.dtype))

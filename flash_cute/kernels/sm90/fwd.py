@@ -129,9 +129,9 @@ from ...config import FwdSm90Config
 from ..common import block_info, scheduler
 from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row_copy,
                              select_modes, store_packed, transpose_mn)
-from ..common.mask import apply_mask
+from ..common.mask import add_alibi, apply_mask
 from ..common.seqlen import SeqlenInfo
-from ..common.softmax import OnlineSoftmax, rescale_rows, softcap_scores
+from ..common.softmax import LOG2E, OnlineSoftmax, rescale_rows, softcap_scores
 from .epilogue import stmatrix_acc, store_smem_rows, tma_store
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -173,18 +173,20 @@ class SplitPiece(NamedTuple):
 
 class FlashFwdSm90:
     def __init__(self, dtype, cfg: FwdSm90Config, causal: bool, varlen: bool = False,
-                 local: bool = False, softcap: bool = False):
+                 local: bool = False, softcap: bool = False, alibi: bool = False):
         """``local``: sliding-window attention, a causal kernel whose diagonal and left edge
         come from the runtime window_left / window_right (block_info); its tiles are walked
         as causal ones are. ``softcap``: scores become tanh(s * softcap_scale) before the
         mask, the runtime softcap_scale being softmax_scale / softcap (and scale_log2
-        softcap * log2(e): softmax.softcap_scores)."""
+        softcap * log2(e): softmax.softcap_scores). ``alibi``: every block's scores less
+        slope * distance (mask.add_alibi), the slopes a runtime (batch, heads) tensor."""
         self.dtype = dtype
         self.cfg = cfg
         self.causal = causal
         self.varlen = varlen
         self.local = local
         self.softcap = softcap
+        self.alibi = alibi
         if local and (not causal or cfg.halves_edge or cfg.split_tail):
             raise ValueError("local: a causal kernel without half_edge or split_tail")
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -212,7 +214,7 @@ class FlashFwdSm90:
                  tail_ctas: Optional[Int32], mPartial: Optional[cute.Tensor],
                  mTileFlags: Optional[cute.Tensor], window_left: Optional[Int32],
                  window_right: Optional[Int32], softcap_scale: Optional[Float32],
-                 stream: cuda.CUstream):
+                 mSlopes: Optional[cute.Tensor], stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
@@ -226,7 +228,8 @@ class FlashFwdSm90:
         d / 2 + 4, 128n) and one int32 flag per tail tile, zero at launch and zeroed again by
         the tile's combiner (dispatch.split_workspace).
         window_left, window_right: local only (else None), the window's finite bounds
-        (block_info). softcap_scale: softcap only (else None), softmax_scale / softcap."""
+        (block_info). softcap_scale: softcap only (else None), softmax_scale / softcap.
+        mSlopes: alibi only (else None), fp32 (batch, heads): ALiBi's slopes as given."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -272,7 +275,7 @@ class FlashFwdSm90:
                     scale_log2, heads_per_section, tail_section, sQ_layout, sK_layout,
                     sV_layout, mma_qk, mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                     mTileCounter, tail_ctas, mPartial, mTileFlags, window_left,
-                    window_right, softcap_scale).launch(
+                    window_right, softcap_scale, mSlopes).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def make_mma_qk(self, cols: int) -> cute.TiledMma:
@@ -320,9 +323,10 @@ class FlashFwdSm90:
                mTileCounter: Optional[cute.Tensor], tail_ctas: Optional[Int32],
                mPartial: Optional[cute.Tensor], mTileFlags: Optional[cute.Tensor],
                window_left: Optional[Int32], window_right: Optional[Int32],
-               softcap_scale: Optional[Float32]):
+               softcap_scale: Optional[Float32], mSlopes: Optional[cute.Tensor]):
         self.window = (window_left, window_right) if const_expr(self.local) else None
         self.softcap_scale = softcap_scale
+        self.mSlopes = mSlopes
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -561,9 +565,12 @@ class FlashFwdSm90:
             has_rows = m_block * self.tile_m + wg * WG_ROWS < seq.seqlen_q
         if const_expr(piece is not None):
             n_lo = piece.n_lo
+        slope = None  # alibi: this head's slope in S's units (S * scale_log2 reaches exp2)
+        if const_expr(self.alibi):
+            slope = self.mSlopes[batch, head] * Float32(LOG2E) * cute.arch.rcp_approx(scale_log2)
         if has_rows:
             kv = self.mainloop(mma_qk, mma_pv, tOrO, softmax, sQ, sK, sV, pipe_q, pipe_k,
-                               pipe_v, m_block, n_max, seq, wg, tidx, q, kv, n_lo)
+                               pipe_v, m_block, n_max, seq, wg, tidx, q, kv, n_lo, slope)
         else:
             kv = self.pass_blocks(sV, pipe_q, pipe_k, pipe_v, n_max, seq, wg, tidx, q, kv,
                                   n_lo)
@@ -592,9 +599,10 @@ class FlashFwdSm90:
     def mainloop(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, tOrO: cute.Tensor,
                  softmax: OnlineSoftmax, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
                  pipe_q, pipe_k, pipe_v, m_block: Int32, n_max: Int32, seq: SeqlenInfo,
-                 wg: Int32, tidx: Int32, q, kv, n_lo=0):
+                 wg: Int32, tidx: Int32, q, kv, n_lo=0, slope=None):
         """A warpgroup's key blocks n_lo .. n_max - 1, last first, into O (unnormalized) and
-        the softmax's row statistics. Returns the state of the tile's last K/V stage."""
+        the softmax's row statistics. Returns the state of the tile's last K/V stage.
+        ``slope``: alibi's, in S's units (else None)."""
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         wg_mma_qk = mma_qk.get_slice(wg * WG_THREADS)
         wg_mma_pv = mma_pv.get_slice(wg * WG_THREADS)
@@ -613,6 +621,9 @@ class FlashFwdSm90:
         mask = lambda n_block: apply_mask(  # noqa: E731
             tSrS, tScS, t0ScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
             self.causal, self.window)
+        bias = None if const_expr(slope is None) else lambda n_block: add_alibi(  # noqa: E731
+            tSrS, tScS, t0ScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+            slope)
 
         # First block (the last key block): always masked, no P V yet.
         pipe_q.consumer_wait(q)
@@ -622,7 +633,7 @@ class FlashFwdSm90:
                 pipe_q.consumer_release(q)
         pipe_k.consumer_wait(kv)
         first = (mma_qk, tSrS, tOrP, tSrQ, tSrK, sK, softmax, m_block, n_max, seq, wg, tidx,
-                 kv, pipe_k)
+                 kv, pipe_k, slope)
         # cfg.half_edge_pv: the key block whose S mma_block computes when the first block's
         # P V runs (n_max - 2; the last P V when n_lo is n_max - 1), or -2 for none.
         half_pv = None
@@ -659,7 +670,7 @@ class FlashFwdSm90:
             for i in cutlass.range(n_max - 1 - n_unmasked_end, unroll=1):
                 kv = self.mma_block(n_max - 2 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ,
                                     tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, mask,
-                                    half_pv)
+                                    half_pv, bias)
         n_left_end = n_lo  # local: blocks below it cross the window's left edge
         if const_expr(self.local):
             n_left_end = cutlass.max(n_lo, cutlass.min(n_unmasked_end, (
@@ -668,12 +679,12 @@ class FlashFwdSm90:
         for i in cutlass.range(n_unmasked_end - n_left_end, unroll=1):
             kv = self.mma_block(n_unmasked_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
                                 tSrQ, tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg, None,
-                                half_pv)
+                                half_pv, bias)
         if const_expr(self.local):
             for i in cutlass.range(n_left_end - n_lo, unroll=1):
                 kv = self.mma_block(n_left_end - 1 - i, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP,
                                     tSrQ, tSrK, tOrV, softmax, o_scale, pipe_k, pipe_v, wg,
-                                    mask, half_pv)
+                                    mask, half_pv, bias)
 
         if const_expr(self.cfg.own_o and not self.cfg.q_in_regs):
             pipe_q.consumer_release(q)  # every QK^T of the tile has completed
@@ -704,7 +715,8 @@ class FlashFwdSm90:
     def first_block(self, mma_qk: cute.TiledMma, tSrS: cute.Tensor, tOrP: cute.Tensor,
                     tSrQ: cute.Tensor, tSrK: cute.Tensor, sK: cute.Tensor,
                     softmax: OnlineSoftmax, m_block: Int32, n_max: Int32, seq: SeqlenInfo,
-                    wg: Int32, tidx: Int32, kv, pipe_k, half: cutlass.Constexpr[bool] = False):
+                    wg: Int32, tidx: Int32, kv, pipe_k, slope=None,
+                    half: cutlass.Constexpr[bool] = False):
         """The tile's first block (its last key block, always masked): S, mask, softmax, P.
         ``half`` (cfg.half_edge, block_info.sees_half_edge): the warpgroup sees only the
         block's first tile_n / 2 keys, so S, its mask and softmax cover those columns alone:
@@ -730,9 +742,12 @@ class FlashFwdSm90:
         if const_expr(self.softcap):  # before the mask: tanh(-inf) would unmask a score
             softcap_scores(tSrS, self.softcap_scale)
         cS = cute.make_identity_tensor((self.tile_m, cols))
-        apply_mask(tSrS, mma_qk.get_slice(tidx).partition_C(cS),
-                   mma_qk.get_slice(0).partition_C(cS), m_block, n_max - 1, self.tile_m,
-                   self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal, self.window)
+        tScS, t0ScS = mma_qk.get_slice(tidx).partition_C(cS), mma_qk.get_slice(0).partition_C(cS)
+        if const_expr(slope is not None):
+            add_alibi(tSrS, tScS, t0ScS, m_block, n_max - 1, self.tile_m, self.tile_n,
+                      seq.seqlen_q, seq.seqlen_k, slope)
+        apply_mask(tSrS, tScS, t0ScS, m_block, n_max - 1, self.tile_m, self.tile_n,
+                   seq.seqlen_q, seq.seqlen_k, self.causal, self.window)
         softmax.step(tSrS, is_first=True)
         self.convert_p(tOrP, tSrS)
 
@@ -766,7 +781,7 @@ class FlashFwdSm90:
     @cute.jit
     def mma_block(self, n_block: Int32, kv, mma_qk, mma_pv, tSrS, tOrO, tOrP, tSrQ, tSrK, tOrV,
                   softmax: OnlineSoftmax, o_scale: Optional[cute.Tensor], pipe_k, pipe_v,
-                  wg: Int32, mask, half_pv=None):
+                  wg: Int32, mask, half_pv=None, bias=None):
         """One key block with intra-warpgroup overlap: S_n = Q K_n^T runs beside O += P V_prev.
         ``o_scale``: cfg.early_rescale's pending factor of O (read, then replaced)."""
         kv_prev = kv.clone()
@@ -789,6 +804,8 @@ class FlashFwdSm90:
         pipe_k.consumer_release(kv)
         if const_expr(self.softcap):
             softcap_scores(tSrS, self.softcap_scale)
+        if const_expr(bias is not None):  # alibi, every block
+            bias(n_block)
         if const_expr(mask is not None):
             mask(n_block)
         row_scale = softmax.step(tSrS, is_first=False)
