@@ -19,6 +19,7 @@ import torch
 
 from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from flash_cute import dispatch
+from window_bench import time_grads
 
 
 def main():
@@ -84,22 +85,10 @@ def bwd_cell(q, k, v, causal, mod, fa4, rounds, flops):
              "fc_mod": lambda *t: flash_attn_func(*t, causal=causal, **mod)}
     if fa4 is not None:
         calls["fa4_mod"] = lambda *t: fa4(*t, causal=causal, **mod)[0]
-    fns, grads = {}, {}
-    for name, call in calls.items():
-        try:
-            out = call(*leaves)
-            fns[name] = (lambda o: lambda: torch.autograd.grad(o, leaves, dout,
-                                                               retain_graph=True))(out)
-            grads[name] = fns[name]()
-        except Exception as e:  # noqa: BLE001 (a peer's refusal ends only its column)
-            print(f"{name} bwd: {type(e).__name__}: {e}"[:200])
+    times, grads = time_grads(calls, leaves, dout, rounds)
     diff = (max((x.float() - y.float()).abs().max().item()
                 for x, y in zip(grads["fc_mod"], grads["fa4_mod"]))
             if "fa4_mod" in grads else float("nan"))
-    times = {n: [] for n in fns}
-    for _ in range(rounds):
-        for n, f in fns.items():
-            times[n].append(timeit(f))
     b, s, h, d = q.shape
     cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}" for n, t in times.items())
     print(f"bwd d={d} s={s}{' causal' if causal else ''} {list(mod)[0]}: {cells} TFLOP/s "

@@ -114,6 +114,19 @@ def bwd_cell(q, k, v, window, causal, fa4, rounds):
     if fa4 is not None:
         fa_window = tuple(None if w < 0 else w for w in window)
         calls["fa4"] = lambda *t: fa4(*t, causal=causal, window_size=fa_window)[0]
+    times, grads = time_grads(calls, leaves, dout, rounds, f"window={window}")
+    diff = (max((a.float() - b.float()).abs().max().item()
+                for a, b in zip(grads["flash_cute"], grads["fa4"]))
+            if len(grads) == 2 else float("nan"))
+    cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}" for n, t in times.items())
+    print(f"bwd d={d} s={s} window={window}{' causal' if causal else ''}: {cells} TFLOP/s "
+          f"(max |grad fc - fa4| {diff:.2e})", flush=True)
+
+
+def time_grads(calls, leaves, dout, rounds, label=""):
+    """({name: [seconds per round]}, {name: grads}) of autograd.grad through each call's
+    output (its forward run once, outside the timing), the implementations in turn per
+    round; a call that raises is reported and left out."""
     fns, grads = {}, {}
     for name, call in calls.items():
         try:
@@ -121,18 +134,13 @@ def bwd_cell(q, k, v, window, causal, fa4, rounds):
             fns[name] = (lambda o: lambda: torch.autograd.grad(o, leaves, dout,
                                                                retain_graph=True))(out)
             grads[name] = fns[name]()
-        except Exception as e:  # noqa: BLE001 (a peer's refusal ends only its cell)
-            print(f"{name} bwd window={window}: {type(e).__name__}: {e}"[:200])
-    diff = (max((a.float() - b.float()).abs().max().item()
-                for a, b in zip(grads["flash_cute"], grads["fa4"]))
-            if len(grads) == 2 else float("nan"))
+        except Exception as e:  # noqa: BLE001 (a peer's refusal ends only its column)
+            print(f"{name} bwd {label}: {type(e).__name__}: {e}"[:200])
     times = {n: [] for n in fns}
     for _ in range(rounds):
         for n, f in fns.items():
             times[n].append(timeit(f))
-    cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}" for n, t in times.items())
-    print(f"bwd d={d} s={s} window={window}{' causal' if causal else ''}: {cells} TFLOP/s "
-          f"(max |grad fc - fa4| {diff:.2e})", flush=True)
+    return times, grads
 
 
 if __name__ == "__main__":

@@ -497,27 +497,6 @@ def test_opcheck_softcap(standin):
     assert standin[-1]["softcap"] == 2.0
 
 
-def test_torch_compile_softcap_fullgraph(standin):
-    """torch.compile over a softcapped call: one graph, the eager gradients bit for bit."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    def loss(q, k, v):
-        return flash_cute.flash_attn_func(q, k, v, softcap=1.5, causal=True).float().square().mean()
-
-    args = (rand(2, 6, 4, 64), rand(2, 8, 2, 64, seed=1), rand(2, 8, 2, 64, seed=2))
-    counter = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    try:
-        got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=counter)(*args),
-                                  args)
-    finally:
-        torch._dynamo.reset()
-    assert counter.frame_count == 1 and "flash_cute.fwd" in counter.graphs[0].code
-    assert standin[-1]["softcap"] == 1.5
-    for a, b in zip(got, torch.autograd.grad(loss(*args), args)):
-        assert torch.equal(a, b)
-
-
 # ---- ALiBi through both paths
 
 @pytest.mark.parametrize("slopes_2d", [False, True])
@@ -567,14 +546,15 @@ def test_opcheck_alibi(standin):
                           test_utils=OPCHECK_TESTS)
 
 
-def test_torch_compile_alibi_fullgraph(standin):
-    """torch.compile over an ALiBi call: one graph, the eager gradients bit for bit."""
+@pytest.mark.parametrize("opts", [dict(softcap=1.5), dict(alibi_slopes=torch.rand(4))],
+                         ids=["softcap", "alibi"])
+def test_torch_compile_score_mod_fullgraph(standin, opts):
+    """torch.compile over a softcapped or ALiBi call: one graph, the option reaching the
+    forward, the eager gradients bit for bit."""
     from torch._dynamo.testing import CompileCounterWithBackend
-    slopes = torch.rand(4)
 
     def loss(q, k, v):
-        return flash_cute.flash_attn_func(q, k, v, causal=True,
-                                          alibi_slopes=slopes).float().square().mean()
+        return flash_cute.flash_attn_func(q, k, v, causal=True, **opts).float().square().mean()
 
     args = (rand(2, 6, 4, 64), rand(2, 8, 2, 64, seed=1), rand(2, 8, 2, 64, seed=2))
     counter = CompileCounterWithBackend("aot_eager")
@@ -585,5 +565,7 @@ def test_torch_compile_alibi_fullgraph(standin):
     finally:
         torch._dynamo.reset()
     assert counter.frame_count == 1 and "flash_cute.fwd" in counter.graphs[0].code
+    name, value = next(iter(opts.items()))
+    assert standin[-1][name] is value or standin[-1][name] == value
     for a, b in zip(got, torch.autograd.grad(loss(*args), args)):
         assert torch.equal(a, b)

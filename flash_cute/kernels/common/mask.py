@@ -12,6 +12,13 @@ from cutlass import Float32, Int32, const_expr
 from .layout import acc_as_mn
 
 
+def _views(acc: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor):
+    """(rows, cols) views of the scores and of thread 0's coordinates, and this thread's
+    offset from thread 0 (its first element's row and column)."""
+    c_mn = acc_as_mn(tScS)
+    return acc_as_mn(acc), acc_as_mn(t0ScS), c_mn[0, 0][0], c_mn[0, 0][1]
+
+
 @cute.jit
 def apply_mask(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_block: Int32,
                n_block: Int32, tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
@@ -26,10 +33,7 @@ def apply_mask(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_bloc
     against a limit shifted once per row keeps the per-element work to one compare-select and
     keeps the coordinates out of registers (which otherwise starve the wgmma pipeline).
     """
-    s_mn = acc_as_mn(acc_S)
-    c_mn = acc_as_mn(tScS)
-    c0_mn = acc_as_mn(t0ScS)
-    row0, col0 = c_mn[0, 0][0], c_mn[0, 0][1]
+    s_mn, c0_mn, row0, col0 = _views(acc_S, tScS, t0ScS)
     col_limit = seqlen_k - n_block * tile_n - col0  # in thread-0 column coordinates
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         limit = col_limit
@@ -62,10 +66,7 @@ def apply_mask_key_major(acc_St: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Ten
     ``apply_mask``: one limit per row, one compare-select per element. ``window`` (local, with
     causal): the diagonal moves by its right bound, and queries past key + left are masked.
     """
-    s_mn = acc_as_mn(acc_St)
-    c_mn = acc_as_mn(tScS)
-    c0_mn = acc_as_mn(t0ScS)
-    row0, col0 = c_mn[0, 0][0], c_mn[0, 0][1]
+    s_mn, c0_mn, row0, col0 = _views(acc_St, tScS, t0ScS)
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         key = n_block * tile_n + row0 + c0_mn[r, 0][0]
         low = Int32(0)  # smallest visible column, in thread-0 column coordinates
@@ -92,10 +93,7 @@ def add_alibi(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_block
     S (the kernels divide the user's slope by the factor their softmax applies to S). Each
     row's diagonal is converted to fp32 once, in thread-0 column coordinates; per element one
     FADD (the |.| is an operand modifier) and one FFMA."""
-    s_mn = acc_as_mn(acc_S)
-    c_mn = acc_as_mn(tScS)
-    c0_mn = acc_as_mn(t0ScS)
-    row0, col0 = c_mn[0, 0][0], c_mn[0, 0][1]
+    s_mn, c0_mn, row0, col0 = _views(acc_S, tScS, t0ScS)
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         row = m_block * tile_m + row0 + c0_mn[r, 0][0]
         diag = Float32(row + seqlen_k - seqlen_q - n_block * tile_n - col0)
@@ -110,10 +108,7 @@ def add_alibi_key_major(acc_St: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tens
                         tile_m: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32,
                         slope: Float32):
     """add_alibi on the backward's transposed tile S^T (rows = keys, columns = queries)."""
-    s_mn = acc_as_mn(acc_St)
-    c_mn = acc_as_mn(tScS)
-    c0_mn = acc_as_mn(t0ScS)
-    row0, col0 = c_mn[0, 0][0], c_mn[0, 0][1]
+    s_mn, c0_mn, row0, col0 = _views(acc_St, tScS, t0ScS)
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
         key = n_block * tile_n + row0 + c0_mn[r, 0][0]
         base = Float32(m_block * tile_m + col0 + seqlen_k - seqlen_q - key)
