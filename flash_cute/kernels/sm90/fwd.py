@@ -89,7 +89,8 @@ TURN_WG1/TURN_WG2 (256, n = 2 only, off by default) order the two warpgroups' GE
 carrying over from tile to tile, see first_turn).
 
 Softcap (``softcap``): each S block becomes tanh(S * softcap_scale) before its mask, and the
-softmax's scale_log2 is softcap * log2(e) (softmax.softcap_scores).
+softmax's scale_log2 is softcap * log2(e) (softmax.softcap_scores). ALiBi (``alibi``): then
+every block loses slope * |i + sk - sq - j| (mask.add_alibi; the slope read once per tile).
 
 Per key block (intra-warpgroup overlap): issue S_next = Q K_next^T, then O += P_prev V_prev; wait
 for S_next; mask and softmax it while P V runs; rescale O (``cfg.early_rescale``, d=256 and
