@@ -4,7 +4,8 @@ With a GPU: the environment, a quick check of the forward and the gradients agai
 oracle (exit 1 if any shape fails), then a short benchmark (``flash_cute.bench --quick``).
 Without one: the environment, then compiles the forward kernels for sm_90a (``CUTE_DSL_ARCH``)
 so the JIT cache is warm when the code reaches a GPU machine that shares the cache directory
-(the backward kernels are compiled and SASS-checked by the test suite).
+(softcap / ALiBi twins compile at their first call; the backward kernels are compiled and
+SASS-checked by the test suite).
 
 Options: --no-check, --no-bench, --bench-out PATH (JSON of the short benchmark), --no-compile.
 """

@@ -184,25 +184,25 @@ SOFTCAP = [k for k in dispatch.shipped_fwd_kernels()
 @pytest.mark.parametrize("d,causal,varlen,flags", SOFTCAP, ids=lambda v: str(v))
 def test_fwd_softcap_variant_compiles(d, causal, varlen, flags, tmp_path, monkeypatch):
     """Every softcapped kernel the calls pick (the softcap twin of each kernel, local ones
-    too): its twin's HGMMA, one MUFU.TANH per score besides the exp2s, no new spills (the
-    persistent varlen local walk's known few, LOCAL_SPILL_WORDS), wgmma not serialized."""
+    too): the tensor-core path, MUFU.TANH beside the exp2s, no new spills (the persistent
+    varlen local walk's known few, LOCAL_SPILL_WORDS), wgmma not serialized. (Session 44
+    also compared each with its twin: the same HGMMA count.)"""
     monkeypatch.chdir(tmp_path)
-    plain = tuple(f for f in flags if f != "softcap")
     local = "local" in flags
     ops = sass_opcodes(dispatch._compile_fwd(
         ARCH, "BFloat16", d, causal, varlen, keep_cubin=True, local=local, softcap=True,
         **dispatch.kernel_overrides(d, causal, varlen, flags)).__cubin__, tmp_path)
-    twin = sass_opcodes(dispatch._compile_fwd(
-        ARCH, "BFloat16", d, causal, varlen, keep_cubin=True, local=local,
-        **dispatch.kernel_overrides(d, causal, varlen, plain)).__cubin__, tmp_path)
-    assert ops.get("HGMMA", 0) == twin["HGMMA"] > 0, (ops.get("HGMMA"), twin["HGMMA"])
-    assert ops.get("MUFU", 0) > twin.get("MUFU", 0), "no tanh"
+    assert ops.get("HGMMA", 0) > 0, "no HGMMA: the kernel is off the wgmma path"
+    assert ops.get("MUFU.TANH", 0) > 0, "no tanh"
     spill_words = LOCAL_SPILL_WORDS.get((d, varlen), 0) if local else 0
     assert ops.get("STL", 0) <= spill_words and ops.get("LDL", 0) <= spill_words, ops
     assert_wgmma_not_serialized(ops)
 
 
-ALIBI = [k for k in dispatch.shipped_fwd_kernels() if "alibi" in k[3]]
+# The ALiBi twin of every kernel without softcap, and with softcap one kernel per head dim
+# (the bias sits at the same place either way; CI time).
+ALIBI = [k for k in dispatch.shipped_fwd_kernels() if "alibi" in k[3]
+         and ("softcap" not in k[3] or k[1:] == (True, False, ("softcap", "alibi")))]
 
 
 @pytest.mark.parametrize("d,causal,varlen,flags", ALIBI, ids=lambda v: str(v))
