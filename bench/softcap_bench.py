@@ -13,13 +13,11 @@ cell first compares the capped outputs of flash_cute and FA4 (max |difference|, 
 check; the GPU tests hold the oracle comparison), then times them in turn.
 """
 import argparse
-import statistics
 
 import torch
 
-from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from flash_cute import dispatch
-from window_bench import time_grads
+from window_bench import tflops_cells, time_grads, time_rounds  # bench/ on sys.path
 
 
 def main():
@@ -65,12 +63,7 @@ def main():
                     except Exception as e:  # noqa: BLE001 (a peer's refusal ends its column)
                         print(f"fa4 softcap: {type(e).__name__}: {e}"[:200])
                         del fns["fa4_mod"]
-                times = {n: [] for n in fns}
-                for _ in range(a.rounds):
-                    for n, f in fns.items():
-                        times[n].append(timeit(f))
-                cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}"
-                                  for n, t in times.items())
+                cells = tflops_cells(flops, time_rounds(fns, a.rounds))
                 print(f"d={d} s={s}{' causal' if causal else ''} {list(mod)[0]}: {cells} "
                       f"TFLOP/s (max |fc - fa4| {float(diff):.2e})", flush=True)
 
@@ -90,7 +83,7 @@ def bwd_cell(q, k, v, causal, mod, fa4, rounds, flops):
                 for x, y in zip(grads["fc_mod"], grads["fa4_mod"]))
             if "fa4_mod" in grads else float("nan"))
     b, s, h, d = q.shape
-    cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}" for n, t in times.items())
+    cells = tflops_cells(flops, times)
     print(f"bwd d={d} s={s}{' causal' if causal else ''} {list(mod)[0]}: {cells} TFLOP/s "
           f"(max |grad fc - fa4| {diff:.2e})", flush=True)
 

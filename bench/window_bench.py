@@ -79,12 +79,7 @@ def main():
                         del fns["fa4"]
                 diff = ((outs["flash_cute"].float() - outs["fa4"].float()).abs().max().item()
                         if "fa4" in outs else float("nan"))
-                times = {n: [] for n in fns}
-                for _ in range(a.rounds):
-                    for n, f in fns.items():
-                        times[n].append(timeit(f))
-                cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}"
-                                  for n, t in times.items())
+                cells = tflops_cells(flops, time_rounds(fns, a.rounds))
                 print(f"d={d} s={s} window={window}{' causal' if causal else ''}: {cells} "
                       f"TFLOP/s (max |fc - fa4| {diff:.2e})", flush=True)
 
@@ -115,10 +110,10 @@ def bwd_cell(q, k, v, window, causal, fa4, rounds):
         fa_window = tuple(None if w < 0 else w for w in window)
         calls["fa4"] = lambda *t: fa4(*t, causal=causal, window_size=fa_window)[0]
     times, grads = time_grads(calls, leaves, dout, rounds, f"window={window}")
+    cells = tflops_cells(flops, times)
     diff = (max((a.float() - b.float()).abs().max().item()
                 for a, b in zip(grads["flash_cute"], grads["fa4"]))
             if len(grads) == 2 else float("nan"))
-    cells = "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}" for n, t in times.items())
     print(f"bwd d={d} s={s} window={window}{' causal' if causal else ''}: {cells} TFLOP/s "
           f"(max |grad fc - fa4| {diff:.2e})", flush=True)
 
@@ -136,11 +131,21 @@ def time_grads(calls, leaves, dout, rounds, label=""):
             grads[name] = fns[name]()
         except Exception as e:  # noqa: BLE001 (a peer's refusal ends only its column)
             print(f"{name} bwd {label}: {type(e).__name__}: {e}"[:200])
+    return time_rounds(fns, rounds), grads
+
+
+def time_rounds(fns, rounds):
+    """{name: [seconds per round]}: each round times every function once, in turn."""
     times = {n: [] for n in fns}
     for _ in range(rounds):
         for n, f in fns.items():
             times[n].append(timeit(f))
-    return times, grads
+    return times
+
+
+def tflops_cells(flops, times):
+    """'name TFLOP/s  ...' over the median of each function's rounds."""
+    return "  ".join(f"{n} {flops / statistics.median(t) / 1e9:.0f}" for n, t in times.items())
 
 
 if __name__ == "__main__":
