@@ -116,7 +116,7 @@ slots: 40 bytes) sit below sQ's 1 KB alignment.
 """
 import enum
 from functools import partial
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -133,6 +133,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
 from ..common.mask import add_alibi, apply_mask
 from ..common.seqlen import SeqlenInfo
 from ..common.softmax import LOG2E, OnlineSoftmax, rescale_rows, softcap_scores
+from . import fwd_split
 from .epilogue import stmatrix_acc, store_smem_rows, tma_store
 from .pipelines import make_tma_pipelines, tma_split
 from .wgmma import gemm, make_smem_layout
@@ -157,19 +158,6 @@ class Barrier(enum.IntEnum):
     O_FREE = 5        # cfg.own_o: the previous tile's O store has read sO (warp 4 arrives)
     TURN_WG3 = 6      # three consumer warpgroups: the third's turn (ids 2..5 were taken)
     PARTIAL = 7       # cfg.split_tail: every consumer's partial is written / the flag seen
-
-
-class SplitPiece(NamedTuple):
-    """cfg.split_tail: what a consumer needs of its piece beyond the tile (the key blocks
-    n_lo .. n_max - 1 of the tile's nblk; tail_tile: the tile's index in the last round, its
-    flag) to hand the piece over or merge the others (scheduler.split_owner's arguments)."""
-    n_lo: Int32
-    nblk: Int32
-    tail_tile: Int32
-    units: Int32
-    tail_ctas: Int32
-    mPartial: cute.Tensor
-    mTileFlags: cute.Tensor
 
 
 class FlashFwdSm90:
@@ -469,8 +457,8 @@ class FlashFwdSm90:
                         q, kv = self.consume(
                             mma_qk, mma_pv, mO, mLSE, sQ, sK, sV, sO, tma_o, pipe_q, pipe_k,
                             pipe_v, scale_log2, m_block, head, batch, n_hi, seqlen(batch), q,
-                            kv, SplitPiece(n_lo, nblk, tile - full, units, tail_ctas,
-                                           mPartial, mTileFlags))
+                            kv, fwd_split.SplitPiece(n_lo, nblk, tile - full, units,
+                                                     tail_ctas, mPartial, mTileFlags))
                         pos = scheduler.split_next(pos, full, nblk, start)
                 else:
                     tile = scheduler.first_tile()
@@ -967,22 +955,15 @@ class FlashFwdSm90:
     @cute.jit
     def store_partial(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
                       mTileFlags: cute.Tensor, t: Int32, tidx: Int32, has_rows, pipe_q, q):
-        """cfg.split_tail, a tile's later piece: this thread's O (unnormalized, row by row),
-        row max and row sum -> its CTA's slot (thread-fastest: coalesced, and the merging
-        thread of the same index reads them in its own layout), then one release-add on the
-        tile's flag. Stores no O; persistent without own_o, warp 4 still frees sQ."""
+        """cfg.split_tail, a tile's later piece: every consumer's partial -> the CTA's slot,
+        then thread 0 signals the tile's flag (fwd_split). Stores no O; persistent without
+        own_o, warp 4 still frees sQ."""
         if has_rows:
-            o_mn = acc_as_mn(tOrO)
-            o_rows, stats = self.slot_views(mPartial, cute.arch.block_idx()[0], o_mn, tidx)
-            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                o_rows[None, r].store(o_mn[r, None].load())
-                stats[0, r] = softmax.row_max[r]
-                stats[1, r] = softmax.row_sum[r]
+            fwd_split.write_slot(tOrO, softmax, mPartial, tidx)
         cute.arch.barrier(barrier_id=int(Barrier.PARTIAL),
                           number_of_threads=self.num_consumer_threads)
-        if tidx == 0:  # after the barrier: releases every consumer's stores (cumulative)
-            cute.arch.red(mTileFlags.iterator + t, Int32(1), op="add", dtype=Int32,
-                          sem="release", scope="gpu")
+        if tidx == 0:  # after the barrier, so the release covers every consumer's stores
+            fwd_split.signal_flag(mTileFlags, t)
         if const_expr(not self.cfg.own_o):
             if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
                 pipe_q.consumer_release(q)  # every consumer's QK^T is done (the barrier)
@@ -991,54 +972,15 @@ class FlashFwdSm90:
     def merge_partials(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
                        mTileFlags: cute.Tensor, t: Int32, others: Int32, tidx: Int32,
                        has_rows):
-        """cfg.split_tail, a tile's first piece (its CTA's last): wait until the ``others``
-        later pieces (CTAs blockIdx + 1 ..) have handed theirs over, zero the flag for the
-        next launch, and fold each into O and the row statistics as the online softmax folds
-        a key block: both sides rescaled to the larger max. The writers run their pieces
-        first in their ranges and never wait, so the wait ends (all CTAs are resident)."""
+        """cfg.split_tail, a tile's first piece (its CTA's last): thread 0 waits until the
+        ``others`` later pieces (CTAs blockIdx + 1 ..) have handed theirs over, then every
+        consumer folds them in (fwd_split)."""
         if tidx == 0:
-            flag = mTileFlags.iterator + t
-            seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-            while seen != others:
-                seen = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-            mTileFlags[t] = Int32(0)
+            fwd_split.wait_flag(mTileFlags, t, others)
         cute.arch.barrier(barrier_id=int(Barrier.PARTIAL),
                           number_of_threads=self.num_consumer_threads)
         if has_rows:
-            self.fold_partials(tOrO, softmax, mPartial, others, tidx)
-
-    @cute.jit
-    def fold_partials(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
-                      others: Int32, tidx: Int32):
-        """merge_partials' arithmetic, for one thread's rows."""
-        cute.arch.fence_acq_rel_gpu()  # this thread's loads see the writers' stores
-        o_mn = acc_as_mn(tOrO)
-        row_max, row_sum, scale_log2 = softmax.row_max, softmax.row_sum, softmax.scale_log2
-        for p in cutlass.range(others, unroll=1):
-            o_rows, stats = self.slot_views(mPartial, cute.arch.block_idx()[0] + 1 + p, o_mn,
-                                            tidx)
-            for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-                m_own, m_other = row_max[r], stats[0, r]
-                m_new = cute.arch.fmax(m_own, m_other)
-                m_safe = m_new if m_new != -Float32.inf else Float32(0.0)
-                a_own = cute.math.exp2((m_own - m_safe) * scale_log2, fastmath=True)
-                a_other = cute.math.exp2((m_other - m_safe) * scale_log2, fastmath=True)
-                row_max[r] = m_new
-                row_sum[r] = row_sum[r] * a_own + stats[1, r] * a_other
-                o_mn[r, None].store(o_mn[r, None].load() * a_own
-                                    + o_rows[None, r].load() * a_other)
-
-    @staticmethod
-    def slot_views(mPartial: cute.Tensor, cta, o_mn: cute.Tensor, tidx):
-        """A thread's view of CTA ``cta``'s slot: O as (cols, rows) and (max / sum, rows)."""
-        rows, cols = cute.size(o_mn, mode=[0]), cute.size(o_mn, mode=[1])
-        slot = mPartial[cta, None, tidx]  # d / 2 + 4 values, one per thread-stride
-        # O's columns keep the accumulator's nested shape, so a row loads as one TensorSSA.
-        o_rows = cute.make_tensor(slot.iterator, cute.composition(
-            slot.layout, cute.make_layout((o_mn.shape[1], rows))))
-        stats = cute.make_tensor(slot.iterator + rows * cols * slot.stride[0], cute.composition(
-            slot.layout, cute.make_layout((2, rows), stride=(rows, 1))))
-        return o_rows, stats
+            fwd_split.fold_slots(tOrO, softmax, mPartial, others, tidx)
 
     @cute.jit
     def free_o(self):
