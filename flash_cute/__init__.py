@@ -5,6 +5,7 @@ from flash_cute.interface import (
     flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
 )
+from flash_cute.kvcache import flash_attn_with_kvcache
 
 __version__ = "0.1.0"
 
@@ -13,5 +14,6 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
+    "flash_attn_with_kvcache",
     "__version__",
 ]

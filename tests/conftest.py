@@ -1,4 +1,5 @@
-"""Shared test setup: hypothesis profiles and the GPU skip rule.
+"""Shared test setup: hypothesis profiles, the GPU skip rule, and ``standin`` (the public API
+run on CPU with the fp32 oracle in place of the kernel).
 
 HYPOTHESIS_PROFILE=ci (default): derandomized, few examples, reproducible in CI.
 HYPOTHESIS_PROFILE=dev: more, random examples for local bug hunting.
@@ -13,6 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from hypothesis import HealthCheck, settings
+
+from flash_cute import dispatch, interface  # noqa: E402 (after CUTE_DSL_ARCH is set)
+from flash_cute.reference import attention_ref  # noqa: E402
 
 settings.register_profile(
     "ci", derandomize=True, max_examples=25, deadline=None, print_blob=True,
@@ -36,3 +40,20 @@ def cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return torch.device("cuda")
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """Run the public API on CPU with dispatch.fwd = the reference; records each call."""
+    calls = []
+
+    def fwd(q, k, v, *, dropout_p=0.0, max_seqlen_q=None, max_seqlen_k=None, **kw):
+        calls.append(dict(q=q, k=k, v=v, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                          **kw))
+        out, lse = attention_ref(q, k, v, **kw)
+        # dispatch.fwd returns out contiguous, and the op's fake impl says so to torch.compile.
+        return out.contiguous(), lse
+
+    monkeypatch.setattr(interface, "_REQUIRE_CUDA", False)
+    monkeypatch.setattr(dispatch, "fwd", fwd)
+    return calls

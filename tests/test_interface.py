@@ -12,27 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flash_cute
-from flash_cute import dispatch, interface
+from flash_cute import dispatch
 from flash_cute.reference import attention_ref
 
 BF16 = torch.bfloat16
-
-
-@pytest.fixture
-def standin(monkeypatch):
-    """Run the public API on CPU with dispatch.fwd = the reference; records each call."""
-    calls = []
-
-    def fwd(q, k, v, *, dropout_p=0.0, max_seqlen_q=None, max_seqlen_k=None, **kw):
-        calls.append(dict(q=q, k=k, v=v, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                          **kw))
-        out, lse = attention_ref(q, k, v, **kw)
-        # dispatch.fwd returns out contiguous, and the op's fake impl says so to torch.compile.
-        return out.contiguous(), lse
-
-    monkeypatch.setattr(interface, "_REQUIRE_CUDA", False)
-    monkeypatch.setattr(dispatch, "fwd", fwd)
-    return calls
 
 
 def rand(*shape, seed=0, grad=True):
@@ -237,7 +220,7 @@ def test_public_api():
     assert flash_cute.__version__ == "0.1.0"
     assert set(flash_cute.__all__) == {"flash_attn_func", "flash_attn_varlen_func",
                                        "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-                                       "__version__"}
+                                       "flash_attn_with_kvcache", "__version__"}
 
 
 def test_fused_backward_flag_falls_back_off_gpu(standin, monkeypatch):

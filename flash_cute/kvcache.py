@@ -1,0 +1,232 @@
+"""``flash_attn_with_kvcache``: FlashAttention-2's inference entry point, on the varlen kernel.
+
+A cache (b_cache, s_cache, hk, d) is a packed varlen tensor (b_cache * s_cache, hk, d) whose
+sequence i starts at row i * s_cache + leftpad[i] and uses cache_seqlens[i] (+ the new tokens)
+- leftpad[i] rows: ``cu_seqlens_k`` and ``seqused_k`` say so, and the varlen forward reads
+the cache in place (a view, no copy, when the cache is contiguous over its first two dims).
+New tokens (``k``, ``v``) are written into the cache first, at rows cache_seqlens[i] + j, as
+FA2 does (the caller's cache is updated in place); rotary embeddings, when given, are applied
+to them and to q on the way (torch ops: the new tokens are few).
+
+Decoding with GQA (one query per sequence, h = g * hk): the g query heads that share a KV head
+become g query rows of one head, so each KV head's cache is read once per sequence instead of
+g times (FA3's pack_gqa). Exact at seqlen_q = 1 with no window and no ALiBi: there every row
+sits at the last position, and bottom-right causal masks nothing.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from flash_cute import interface, validation
+
+# The packed-decode rewrite needs every packed row at the same position (see the docstring).
+PACK_GQA_MAX_SEQLEN_Q = 1
+
+
+def _lengths(name, value, batch, device, s_cache):
+    """cache_seqlens / cache_leftpad as int32 (batch,) on the device; an int is broadcast."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if not 0 <= value <= s_cache:
+            raise ValueError(f"{name} = {value} is outside [0, {s_cache}] (the cache length)")
+        return torch.full((batch,), int(value), dtype=torch.int32, device=device)
+    validation.check_tensor(name, value)
+    if value.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int or an int32 / int64 tensor, got {value.dtype}")
+    if tuple(value.shape) != (batch,):
+        raise ValueError(f"{name} must have shape (batch,) = ({batch},), "
+                         f"got {tuple(value.shape)}")
+    validation.check_device(name, value, device, require_cuda=False)
+    return value.to(torch.int32).contiguous()
+
+
+def _check_cache(q, k_cache, v_cache, k, v, cache_batch_idx):
+    """Ranks, shapes, dtypes and devices of the caches and the new tokens against q."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        validation.check_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch_cache, seqlen_cache, nheads_k, "
+                             f"headdim), got shape {tuple(t.shape)}")
+        validation.check_dtype(name, t)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+        validation.check_device(name, t, q.device, require_cuda=False)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has "
+                         f"{tuple(k_cache.shape)}")
+    b, _, h, d = q.shape
+    bc, _, hk, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"k_cache has head dim {dk} but q has {d}")
+    if cache_batch_idx is None and bc < b:
+        raise ValueError(f"k_cache has batch {bc} < q's batch {b} (and no cache_batch_idx)")
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must be given together")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            validation.check_tensor(name, t)
+            if t.dim() != 4 or t.shape[0] != b or t.shape[2:] != (hk, d):
+                raise ValueError(f"{name} must have shape (batch, seqlen_new, nheads_k, "
+                                 f"headdim) = ({b}, *, {hk}, {d}), got {tuple(t.shape)}")
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
+            validation.check_device(name, t, q.device, require_cuda=False)
+        if v.shape != k.shape:
+            raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}")
+    if cache_batch_idx is not None:
+        validation.check_tensor("cache_batch_idx", cache_batch_idx)
+        if cache_batch_idx.dtype not in (torch.int32, torch.int64) or \
+                tuple(cache_batch_idx.shape) != (b,):
+            raise ValueError(f"cache_batch_idx must be an int32 / int64 tensor of shape "
+                             f"({b},), got {cache_batch_idx.dtype} {tuple(cache_batch_idx.shape)}")
+        validation.check_device("cache_batch_idx", cache_batch_idx, q.device, require_cuda=False)
+
+
+def _rotate(x, cos, sin, pos, interleaved):
+    """Rotary embedding of x (b, s, h, d) at positions pos (b, s), over the first
+    2 * cos.shape[1] channels; fp32 math, x's dtype out."""
+    rd = 2 * cos.shape[1]
+    c, s = cos[pos].unsqueeze(2).float(), sin[pos].unsqueeze(2).float()  # (b, s, 1, rd / 2)
+    xr = x[..., :rd].float()
+    if interleaved:  # pairs (0, 1), (2, 3), ... (GPT-J)
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:  # halves (GPT-NeoX)
+        x1, x2 = xr[..., :rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _check_rotary(rotary_cos, rotary_sin, q, cache_leftpad, rotary_interleaved):
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is None:
+        return
+    validation.check_flag("rotary_interleaved", rotary_interleaved)
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        validation.check_tensor(name, t)
+        if t.dim() != 2 or 2 * t.shape[1] > q.shape[-1] or t.shape[1] == 0:
+            raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2) with "
+                             f"rotary_dim <= headdim = {q.shape[-1]}, got {tuple(t.shape)}")
+        validation.check_device(name, t, q.device, require_cuda=False)
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_sin has shape {tuple(rotary_sin.shape)} but rotary_cos has "
+                         f"{tuple(rotary_cos.shape)}")
+    if cache_leftpad is not None:
+        raise NotImplementedError("flash_cute: rotary embeddings together with cache_leftpad "
+                                  "are not supported")
+
+
+def _check_fit(cache_seqlens, seqlens, leftpad, s_new, s_cache, validate):
+    """The new tokens fit behind each cache's tokens, and leftpad does not pass them: on the
+    host for an int cache_seqlens, with ``validate`` on the device values (a sync)."""
+    if isinstance(cache_seqlens, numbers.Integral) and cache_seqlens + s_new > s_cache:
+        raise ValueError(f"cache_seqlens + seqlen_new = {cache_seqlens + s_new} > s_cache = "
+                         f"{s_cache}: no room for the new tokens")
+    if not validate:
+        return
+    end = seqlens.max().item() + s_new
+    if end > s_cache:
+        raise ValueError(f"max(cache_seqlens) + seqlen_new = {end} > s_cache = {s_cache}: "
+                         "no room for the new tokens")
+    if leftpad is not None and bool((leftpad > seqlens + s_new).any()):
+        raise ValueError("cache_leftpad exceeds cache_seqlens (+ the new tokens) for some "
+                         "sequence")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False, *, validate_cache_seqlens=False):
+    """Attention of q over a KV cache, appending new tokens first (FA2's signature).
+
+    q (b, sq, h, d); k_cache / v_cache (b_cache, s_cache, hk, d), h % hk == 0. k / v
+    (b, s_new, hk, d): written into the caches in place at rows cache_seqlens[i] + j before
+    the attention (the caller keeps room for them). cache_seqlens: int or (b,) int32 / int64,
+    the tokens already in each cache (default: all s_cache). cache_batch_idx (b,): which cache
+    entry each sequence uses (default: i); the caches are then gathered (a copy).
+    cache_leftpad (b,): the first valid row of each cache. rotary_cos / rotary_sin
+    (seqlen_ro, rotary_dim / 2): rotary embedding of q and the new k at their positions
+    (non-causal, non-local: every query at position cache_seqlens). causal and window_size are
+    bottom-right aligned to each sequence's keys. Not differentiable (as FA2's).
+    Returns out (b, sq, h, d), and softmax_lse fp32 (b, h, sq) when return_softmax_lse.
+    block_table (paged caches) and num_splits > 1 raise NotImplementedError.
+    validate_cache_seqlens=True (or FLASH_CUTE_DEBUG=1) checks that the lengths fit the cache
+    (cache_leftpad <= cache_seqlens, cache_seqlens + s_new <= s_cache) at the cost of a sync;
+    an int cache_seqlens is always checked.
+    """
+    if block_table is not None:
+        raise NotImplementedError("flash_cute: block_table (a paged KV cache) is not supported; "
+                                  "pass contiguous caches")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or \
+            num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
+    if num_splits > 1:
+        raise NotImplementedError(f"flash_cute: num_splits = {num_splits} (split-KV) is not "
+                                  "supported; use 0 (automatic) or 1")
+    validation.check_flag("return_softmax_lse", return_softmax_lse)
+    validation.check_tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (batch, seqlen_q, nheads, headdim), got shape "
+                         f"{tuple(q.shape)}")
+    _check_cache(q, k_cache, v_cache, k, v, cache_batch_idx)
+    _check_rotary(rotary_cos, rotary_sin, q, cache_leftpad, rotary_interleaved)
+    window_size = validation.check_window_size(window_size)
+    causal = validation.check_flag("causal", causal)
+    b, sq, h, d = q.shape
+    s_cache, hk = k_cache.shape[1], k_cache.shape[2]
+    dev = q.device
+    seqlens = _lengths("cache_seqlens", s_cache if cache_seqlens is None else cache_seqlens, b,
+                       dev, s_cache)
+    leftpad = None if cache_leftpad is None else _lengths("cache_leftpad", cache_leftpad, b,
+                                                          dev, s_cache)
+    s_new = 0 if k is None else k.shape[1]
+    _check_fit(s_cache if cache_seqlens is None else cache_seqlens, seqlens, leftpad, s_new,
+               s_cache, validate_cache_seqlens or validation._debug_enabled())
+
+    with torch.no_grad():
+        if rotary_cos is not None:
+            local = causal or window_size != (-1, -1)
+            steps = torch.arange(sq, device=dev, dtype=torch.int32)
+            pos_q = seqlens[:, None] + (steps if local else 0 * steps)
+            q = _rotate(q, rotary_cos, rotary_sin, pos_q.long(), rotary_interleaved)
+        if k is not None:
+            pos = (seqlens[:, None] + torch.arange(s_new, device=dev, dtype=torch.int32)).long()
+            if rotary_cos is not None:
+                k = _rotate(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
+            rows = (torch.arange(b, device=dev) if cache_batch_idx is None
+                    else cache_batch_idx.long())[:, None]
+            k_cache[rows, pos] = k  # FA2 updates the caller's cache in place
+            v_cache[rows, pos] = v
+        if cache_batch_idx is not None:
+            k_cache = k_cache.index_select(0, cache_batch_idx.long())
+            v_cache = v_cache.index_select(0, cache_batch_idx.long())
+        used = seqlens + s_new  # keys of sequence i: rows [leftpad[i], used[i]) of its cache
+        start = torch.arange(b, device=dev, dtype=torch.int32) * s_cache
+        cu_k = torch.cat((start, torch.full((1,), b * s_cache, dtype=torch.int32, device=dev)))
+        if leftpad is not None:
+            cu_k[:b] += leftpad
+            used = (used - leftpad).clamp_(min=0)
+        kp, vp = k_cache[:b].flatten(0, 1), v_cache[:b].flatten(0, 1)
+
+        g = h // hk
+        pack = (sq <= PACK_GQA_MAX_SEQLEN_Q and g > 1 and window_size == (-1, -1)
+                and alibi_slopes is None)
+        rows_q, heads_q = (sq * g, hk) if pack else (sq, h)
+        qp = q.reshape(b, sq, hk, g, d).transpose(2, 3) if pack else q
+        qp = qp.reshape(b * rows_q, heads_q, d)
+        cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32) * rows_q
+        out, lse, _ = interface.flash_attn_varlen_func(
+            qp, kp, vp, cu_q, cu_k, rows_q, s_cache, softmax_scale=softmax_scale,
+            causal=causal and not pack, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, return_attn_probs=True, seqused_k=used)
+    if pack:
+        out = out.view(b, sq, g, hk, d).transpose(2, 3).reshape(b, sq, h, d)
+        lse = lse.view(hk, b, sq, g).permute(1, 0, 3, 2).reshape(b, h, sq)
+    else:
+        out = out.view(b, sq, h, d)
+        lse = lse.view(h, b, sq).transpose(0, 1).contiguous()
+    return (out, lse) if return_softmax_lse else out

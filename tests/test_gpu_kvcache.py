@@ -1,0 +1,85 @@
+"""GPU tests of flash_attn_with_kvcache: the varlen forward reading caches in place, against the
+per-sequence oracle of tests/test_kvcache.py (the cache append and rotary done there by hand).
+
+Cases: decoding with GQA (the packed rows), chunked prefill with new tokens and rotary, leftpad
+with a permuted cache_batch_idx, windows, softcap and ALiBi, every head dim, caches of one
+token and of thousands, a sequence with no key.
+"""
+import pytest
+import torch
+
+from flash_cute import flash_attn_with_kvcache
+from flash_cute.reference import check_close
+from gpu_support import (DEVICE, _cpu_standin,  # noqa: F401 (autouse)
+                         gpu_module_marks, poison_allocator, rand)
+from test_kvcache import kvcache_ref
+
+pytestmark = gpu_module_marks()
+
+# (b, sq, h, hk, d, s_cache, s_new, causal, window, softcap, alibi, leftpad, batch_idx, rotary)
+CASES = [
+    (4, 1, 32, 4, 128, 1000, 1, True, (-1, -1), 0.0, False, False, False, None),
+    (3, 1, 8, 8, 64, 4099, 0, False, (-1, -1), 0.0, False, False, False, None),
+    (2, 77, 8, 8, 64, 600, 77, True, (-1, -1), 0.0, False, False, False, (32, False)),
+    (3, 1, 16, 2, 256, 700, 1, True, (64, 0), 30.0, False, True, True, None),
+    (2, 1, 12, 12, 96, 333, 1, True, (-1, -1), 0.0, True, False, False, None),
+    (2, 5, 8, 4, 192, 257, 5, False, (-1, -1), 0.0, False, False, True, (64, True)),
+    (5, 3, 4, 1, 128, 1, 0, True, (-1, -1), 0.0, False, False, False, None),
+]
+
+
+def case_id(c):
+    b, sq, h, hk, d, s, s_new = c[:7]
+    return f"b{b}-q{sq}-h{h}_{hk}-d{d}-s{s}+{s_new}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_kvcache_against_oracle(case):
+    b, sq, h, hk, d, s, s_new, causal, window, cap, alibi, leftpad, bidx, rot = case
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    bc = b + 2 if bidx else b
+    q = rand(b, sq, h, d, seed=1)
+    k_cache, v_cache = rand(bc, s, hk, d, seed=2), rand(bc, s, hk, d, seed=3)
+    k = v = None
+    if s_new:
+        k, v = rand(b, s_new, hk, d, seed=4), rand(b, s_new, hk, d, seed=5)
+    seqlens = torch.randint(0, s - s_new + 1, (b,), generator=g, device=DEVICE,
+                            dtype=torch.int32)
+    seqlens[0] = s - s_new  # one full cache
+    if b > 2:
+        seqlens[-1] = 0  # one empty cache (keys = the new tokens only)
+    lp = None
+    if leftpad:
+        lp = (torch.rand(b, generator=g, device=DEVICE) * (seqlens + s_new)).int()
+    batch_idx = (torch.randperm(bc, generator=g, device=DEVICE)[:b] if bidx
+                 else torch.arange(b, device=DEVICE))
+    rotary, kw = None, {}
+    if rot is not None:
+        theta = torch.rand(s + sq, rot[0] // 2, generator=g, device=DEVICE) * 6
+        rotary = (theta.cos(), theta.sin(), rot[1])
+        kw = dict(rotary_cos=rotary[0], rotary_sin=rotary[1], rotary_interleaved=rot[1])
+    slopes = torch.rand(h, generator=g, device=DEVICE) if alibi else None
+    refs = [kvcache_ref(q, k_cache, v_cache, k, v, seqlens, batch_idx, lp, rotary, causal,
+                        window, cap, slopes, upcast=up) for up in (True, False)]
+    poison_allocator()
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+        cache_batch_idx=batch_idx.int() if bidx else None, cache_leftpad=lp, causal=causal,
+        window_size=window, softcap=cap, alibi_slopes=slopes, return_softmax_lse=True, **kw)
+    (want, want_lse, want_k, want_v), (low, low_lse, _, _) = refs
+    torch.testing.assert_close(k_cache, want_k, rtol=2 ** -7, atol=0)  # rotated: fp32 rounding
+    assert torch.equal(v_cache, want_v)
+    check_close(out, want, low, name="out")
+    check_close(lse, want_lse, low_lse, name="lse")
+
+
+def test_decode_lengths_do_not_recompile():
+    """A decode loop: new cache lengths every step, one compiled kernel."""
+    from flash_cute import dispatch
+    q = rand(2, 1, 8, 128, seed=1)
+    k_cache, v_cache = rand(2, 512, 2, 128, seed=2), rand(2, 512, 2, 128, seed=3)
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=10)
+    before = dispatch.compile_cache_size()
+    for n in (11, 200, 511, 1):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n, causal=True)
+    assert dispatch.compile_cache_size() == before

@@ -1,0 +1,220 @@
+"""flash_attn_with_kvcache on CPU, the fp32 oracle standing in for the kernel (conftest's
+``standin``): the cache append, rotary embeddings, leftpad / batch-index mapping and the packed
+GQA decode against a per-sequence reference written out here."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flash_cute
+from flash_cute.reference import attention_ref
+
+BF16 = torch.bfloat16
+ONE_BF16_STEP = dict(rtol=2 ** -7, atol=2 ** -16)
+
+
+def rand(*shape, gen):
+    return torch.randn(*shape, generator=gen).to(BF16)
+
+
+def rotary_ref(x, cos, sin, pos, interleaved):
+    """x (s, h, d) rotated at positions pos (s,) as complex products (rd = 2 cos.shape[1])."""
+    rd = 2 * cos.shape[1]
+    xr = x[..., :rd].float()
+    if interleaved:
+        z = torch.complex(xr[..., 0::2], xr[..., 1::2])
+    else:
+        z = torch.complex(xr[..., :rd // 2], xr[..., rd // 2:])
+    z = z * torch.complex(cos[pos], sin[pos])[:, None]
+    rot = (torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved
+           else torch.cat((z.real, z.imag), -1))
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), -1)
+
+
+def kvcache_ref(q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, rotary, causal,
+                window, softcap, slopes, upcast=True):
+    """One sequence at a time: rotate, append to copies of the caches, attend (upcast: the
+    fp32 oracle, else the same math in the input dtype)."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    b, sq, h, _ = q.shape
+    outs, lses = [], []
+    for i in range(b):
+        c, n = int(batch_idx[i]), int(seqlens[i])
+        s_new = 0 if k is None else k.shape[1]
+        qi = q[i]
+        if rotary is not None:
+            cos, sin, inter = rotary
+            local = causal or window != (-1, -1)
+            pos_q = n + (torch.arange(sq) if local else torch.zeros(sq, dtype=torch.long))
+            pos_q = pos_q.to(q.device)
+            qi = rotary_ref(qi, cos, sin, pos_q, inter)
+        if s_new:
+            ki = k[i]
+            if rotary is not None:
+                ki = rotary_ref(ki, cos, sin, n + torch.arange(s_new, device=q.device), inter)
+            k_cache[c, n:n + s_new] = ki
+            v_cache[c, n:n + s_new] = v[i]
+        lo = 0 if leftpad is None else int(leftpad[i])
+        kk, vv = k_cache[c, lo:n + s_new], v_cache[c, lo:n + s_new]
+        o, lse = attention_ref(qi[None], kk[None], vv[None], causal=causal, window_size=window,
+                               softcap=softcap, alibi_slopes=slopes,
+                               upcast=upcast)
+        outs.append(o[0])
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses), k_cache, v_cache
+
+
+@st.composite
+def cases(draw):
+    b = draw(st.integers(1, 3))
+    hk = draw(st.sampled_from([1, 2]))
+    h = hk * draw(st.sampled_from([1, 2, 4]))
+    d = 64
+    s_cache = draw(st.integers(1, 40))
+    s_new = draw(st.sampled_from([0, 0, 1, 3]))
+    s_new = min(s_new, s_cache)
+    sq = draw(st.sampled_from([1, 1, 2, 5]))
+    seqlens = [draw(st.integers(0, s_cache - s_new)) for _ in range(b)]
+    leftpad = None
+    if draw(st.booleans()):
+        leftpad = [draw(st.integers(0, n + s_new)) for n in seqlens]
+    rotary = None
+    if draw(st.booleans()) and leftpad is None:
+        rotary = (draw(st.sampled_from([8, 32])), draw(st.booleans()))
+    return dict(b=b, h=h, hk=hk, d=d, s_cache=s_cache, s_new=s_new, sq=sq, seqlens=seqlens,
+                leftpad=leftpad, rotary=rotary, batch_idx=draw(st.booleans()),
+                causal=draw(st.booleans()), window=draw(st.sampled_from([(-1, -1), (3, 0)])),
+                softcap=draw(st.sampled_from([0.0, 5.0])), alibi=draw(st.booleans()),
+                seed=draw(st.integers(0, 2 ** 16)))
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # stateless use
+@given(cases())
+def test_kvcache_matches_per_sequence_reference(standin, c):
+    gen = torch.Generator().manual_seed(c["seed"])
+    b, h, hk, d, s_cache = c["b"], c["h"], c["hk"], c["d"], c["s_cache"]
+    bc = b + 1
+    q = rand(b, c["sq"], h, d, gen=gen)
+    k_cache, v_cache = rand(bc, s_cache, hk, d, gen=gen), rand(bc, s_cache, hk, d, gen=gen)
+    k = v = None
+    if c["s_new"]:
+        k, v = rand(b, c["s_new"], hk, d, gen=gen), rand(b, c["s_new"], hk, d, gen=gen)
+    seqlens = torch.tensor(c["seqlens"], dtype=torch.int32)
+    batch_idx = torch.randperm(bc, generator=gen)[:b] if c["batch_idx"] else torch.arange(b)
+    leftpad = None if c["leftpad"] is None else torch.tensor(c["leftpad"], dtype=torch.int32)
+    rotary = None
+    kw = {}
+    if c["rotary"] is not None:
+        rd, inter = c["rotary"]
+        theta = torch.rand(s_cache + c["sq"], rd // 2, generator=gen) * 6
+        rotary = (theta.cos(), theta.sin(), inter)
+        kw = dict(rotary_cos=rotary[0], rotary_sin=rotary[1], rotary_interleaved=inter)
+    slopes = torch.rand(h, generator=gen) if c["alibi"] else None
+    want, want_lse, want_k, want_v = kvcache_ref(q, k_cache, v_cache, k, v, seqlens, batch_idx,
+                                                 leftpad, rotary, c["causal"], c["window"],
+                                                 c["softcap"], slopes)
+    out, lse = flash_cute.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+        cache_batch_idx=batch_idx.int() if c["batch_idx"] else None, cache_leftpad=leftpad,
+        causal=c["causal"], window_size=c["window"], softcap=c["softcap"], alibi_slopes=slopes,
+        return_softmax_lse=True, validate_cache_seqlens=True, **kw)
+    assert out.shape == q.shape and lse.shape == (b, h, c["sq"]) and lse.is_contiguous()
+    torch.testing.assert_close(k_cache, want_k, **ONE_BF16_STEP)  # appended in place (rotated)
+    torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0)
+    torch.testing.assert_close(out, want, **ONE_BF16_STEP)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,alibi,packed", [((-1, -1), False, True),
+                                                  ((4, 0), False, False),
+                                                  ((-1, -1), True, False)])
+def test_decode_packs_gqa_heads_as_rows(standin, window, alibi, packed):
+    gen = torch.Generator().manual_seed(1)
+    b, h, hk, d, s = 2, 8, 2, 64, 19
+    q = rand(b, 1, h, d, gen=gen)
+    k_cache, v_cache = rand(b, s, hk, d, gen=gen), rand(b, s, hk, d, gen=gen)
+    slopes = torch.rand(h, generator=gen) if alibi else None
+    out = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=11, causal=True,
+                                             window_size=window, alibi_slopes=slopes)
+    call = standin[-1]
+    assert tuple(call["q"].shape) == ((b * h // hk, hk, d) if packed else (b, h, d))
+    assert call["causal"] is not packed  # one query: bottom-right causal masks nothing
+    want = attention_ref(q, k_cache[:, :11], v_cache[:, :11], causal=True, window_size=window,
+                         alibi_slopes=slopes)[0]
+    torch.testing.assert_close(out, want, **ONE_BF16_STEP)
+
+
+def test_cache_read_in_place_without_copy(standin):
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = rand(3, 16, 2, 64, gen=gen), rand(3, 16, 2, 64, gen=gen)
+    flash_cute.flash_attn_with_kvcache(rand(3, 2, 2, 64, gen=gen), k_cache, v_cache,
+                                       cache_seqlens=torch.tensor([3, 0, 16], dtype=torch.int32))
+    call = standin[-1]
+    assert call["k"].data_ptr() == k_cache.data_ptr()
+    assert call["cu_seqlens_k"].tolist() == [0, 16, 32, 48]
+    assert call["seqused_k"].tolist() == [3, 0, 16] and call["max_seqlen_k"] == 16
+
+
+def test_empty_cache_gives_zero_and_minus_inf(standin):
+    gen = torch.Generator().manual_seed(3)
+    out, lse = flash_cute.flash_attn_with_kvcache(
+        rand(2, 1, 2, 64, gen=gen), rand(2, 8, 1, 64, gen=gen), rand(2, 8, 1, 64, gen=gen),
+        cache_seqlens=0, return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+
+
+def _args(**over):
+    gen = torch.Generator().manual_seed(4)
+    a = dict(q=rand(2, 1, 4, 64, gen=gen), k_cache=rand(2, 8, 2, 64, gen=gen),
+             v_cache=rand(2, 8, 2, 64, gen=gen))
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError,
+     "block_table"),
+    (dict(num_splits=4), NotImplementedError, "num_splits"),
+    (dict(num_splits=-1), ValueError, "num_splits"),
+    (dict(k=torch.zeros(2, 1, 2, 64, dtype=BF16)), ValueError, "together"),
+    (dict(k=torch.zeros(2, 1, 2, 64, dtype=BF16), v=torch.zeros(2, 1, 2, 64, dtype=BF16),
+          cache_seqlens=8), ValueError, "no room"),
+    (dict(k=torch.zeros(2, 1, 2, 64, dtype=BF16), v=torch.zeros(2, 1, 2, 64, dtype=BF16)),
+     ValueError, "no room"),
+    (dict(cache_seqlens=9), ValueError, "cache_seqlens"),
+    (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_seqlens"),
+    (dict(cache_seqlens=torch.zeros(2)), TypeError, "cache_seqlens"),
+    (dict(k_cache=torch.zeros(2, 8, 2, 64, dtype=torch.float16)), TypeError, "k_cache"),
+    (dict(v_cache=torch.zeros(2, 8, 2, 32, dtype=BF16)), ValueError, "v_cache"),
+    (dict(q=torch.zeros(2, 4, 64, dtype=BF16)), ValueError, "q must be 4-D"),
+    (dict(rotary_cos=torch.ones(9, 8)), ValueError, "rotary_sin"),
+    (dict(rotary_cos=torch.ones(9, 40), rotary_sin=torch.ones(9, 40)), ValueError,
+     "rotary_cos"),
+    (dict(rotary_cos=torch.ones(9, 8), rotary_sin=torch.ones(9, 8),
+          cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "leftpad"),
+    (dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_batch_idx"),
+    (dict(return_softmax_lse=1), TypeError, "return_softmax_lse"),
+])
+def test_bad_arguments_raise(standin, over, exc, match):
+    with pytest.raises(exc, match=match):
+        flash_cute.flash_attn_with_kvcache(**_args(**over))
+    assert not standin  # nothing reached the kernel
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_positions(standin, causal, interleaved):
+    """Causal: query t at position cache_seqlens + t; otherwise all at cache_seqlens (FA2)."""
+    gen = torch.Generator().manual_seed(5)
+    b, sq, h, hk, d, s = 2, 3, 4, 2, 64, 24
+    q = rand(b, sq, h, d, gen=gen)
+    k_cache, v_cache = rand(b, s, hk, d, gen=gen), rand(b, s, hk, d, gen=gen)
+    k, v = rand(b, 2, hk, d, gen=gen), rand(b, 2, hk, d, gen=gen)
+    theta = torch.rand(s, 16, generator=gen) * 6
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    want, *_ = kvcache_ref(q, k_cache, v_cache, k, v, seqlens, torch.arange(b), None,
+                           (theta.cos(), theta.sin(), interleaved), causal, (-1, -1), 0.0, None)
+    out = flash_cute.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=theta.cos(), rotary_sin=theta.sin(),
+        cache_seqlens=seqlens, causal=causal, rotary_interleaved=interleaved)
+    torch.testing.assert_close(out, want, **ONE_BF16_STEP)
