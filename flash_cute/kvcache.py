@@ -187,6 +187,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_fit(s_cache if cache_seqlens is None else cache_seqlens, seqlens, leftpad, s_new,
                s_cache, validate_cache_seqlens or validation._debug_enabled())
 
+    if sq == 0 or s_cache == 0:  # nothing to attend with or to (the arange steps below > 0)
+        out = q.new_zeros(b, sq, h, d)
+        lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=dev)
+        return (out, lse) if return_softmax_lse else out
     with torch.no_grad():
         if rotary_cos is not None:
             local = causal or window_size != (-1, -1)
@@ -204,9 +208,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if cache_batch_idx is not None:
             k_cache = k_cache.index_select(0, cache_batch_idx.long())
             v_cache = v_cache.index_select(0, cache_batch_idx.long())
-        used = seqlens + s_new  # keys of sequence i: rows [leftpad[i], used[i]) of its cache
-        start = torch.arange(b, device=dev, dtype=torch.int32) * s_cache
-        cu_k = torch.cat((start, torch.full((1,), b * s_cache, dtype=torch.int32, device=dev)))
+        # Sequence i's keys: rows [leftpad[i], seqlens[i] + s_new) of its cache. One arange
+        # per prefix-sum array (a decode step's host-side kernels are a visible share of it).
+        used = seqlens + s_new if s_new else seqlens
+        cu_k = torch.arange(0, (b + 1) * s_cache, s_cache, device=dev, dtype=torch.int32)
         if leftpad is not None:
             cu_k[:b] += leftpad
             used = (used - leftpad).clamp_(min=0)
@@ -218,15 +223,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rows_q, heads_q = (sq * g, hk) if pack else (sq, h)
         qp = q.reshape(b, sq, hk, g, d).transpose(2, 3) if pack else q
         qp = qp.reshape(b * rows_q, heads_q, d)
-        cu_q = torch.arange(b + 1, device=dev, dtype=torch.int32) * rows_q
+        cu_q = torch.arange(0, (b + 1) * rows_q, rows_q, device=dev, dtype=torch.int32)
         out, lse, _ = interface.flash_attn_varlen_func(
             qp, kp, vp, cu_q, cu_k, rows_q, s_cache, softmax_scale=softmax_scale,
             causal=causal and not pack, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, return_attn_probs=True, seqused_k=used)
     if pack:
         out = out.view(b, sq, g, hk, d).transpose(2, 3).reshape(b, sq, h, d)
-        lse = lse.view(hk, b, sq, g).permute(1, 0, 3, 2).reshape(b, h, sq)
     else:
         out = out.view(b, sq, h, d)
+    if not return_softmax_lse:
+        return out
+    if pack:
+        lse = lse.view(hk, b, sq, g).permute(1, 0, 3, 2).reshape(b, h, sq)
+    else:
         lse = lse.view(h, b, sq).transpose(0, 1).contiguous()
-    return (out, lse) if return_softmax_lse else out
+    return out, lse

@@ -163,6 +163,16 @@ def test_empty_cache_gives_zero_and_minus_inf(standin):
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
 
 
+@pytest.mark.parametrize("sq,s_cache", [(0, 8), (2, 0)])
+def test_empty_query_or_cache(standin, sq, s_cache):
+    gen = torch.Generator().manual_seed(6)
+    out, lse = flash_cute.flash_attn_with_kvcache(
+        rand(2, sq, 4, 64, gen=gen), rand(2, s_cache, 2, 64, gen=gen),
+        rand(2, s_cache, 2, 64, gen=gen), return_softmax_lse=True)
+    assert out.shape == (2, sq, 4, 64) and lse.shape == (2, 4, sq)
+    assert not out.any() and bool((lse == float("-inf")).all()) and not standin
+
+
 def _args(**over):
     gen = torch.Generator().manual_seed(4)
     a = dict(q=rand(2, 1, 4, 64, gen=gen), k_cache=rand(2, 8, 2, 64, gen=gen),
