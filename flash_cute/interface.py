@@ -86,11 +86,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
-def _unpack(packed, name, n, layout):
+def _unpack(packed, name, n, layout, axis=2):
+    """The n views of ``packed`` along ``axis`` (2 batched, 1 varlen): no copies, and
+    gradients flow back into it."""
     validation.check_tensor(name, packed)
-    if packed.dim() != 5 or packed.shape[2] != n:
+    if packed.dim() != axis + 3 or packed.shape[axis] != n:
         raise ValueError(f"{name} must have shape {layout}, got {tuple(packed.shape)}")
-    return packed.unbind(dim=2)  # views into packed: no copies, grads flow back into it
+    return packed.unbind(dim=axis)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -109,3 +111,28 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     k, v = _unpack(kv, "kv", 2, "(batch, seqlen, 2, nheads_kv, head_dim)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func on qkv (total, 3, h, d), one cu_seqlens / max_seqlen for both
+    sides; q, k, v are views of it."""
+    q, k, v = _unpack(qkv, "qkv", 3, "(total, 3, nheads, head_dim)", axis=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """flash_attn_varlen_func on q (total_q, h, d) and kv (total_k, 2, hk, d); k, v are views
+    of kv."""
+    k, v = _unpack(kv, "kv", 2, "(total_k, 2, nheads_kv, head_dim)", axis=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs)

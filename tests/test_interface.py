@@ -109,6 +109,31 @@ def test_varlen_plumbing(standin):
     assert (q.grad[2] == 0).all()  # an unused query row gets no gradient
 
 
+def test_varlen_packed_views_and_grads(standin):
+    cu = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
+    qkv = rand(9, 3, 4, 64)
+    out = flash_cute.flash_attn_varlen_qkvpacked_func(qkv, cu, 6, causal=True)
+    call = standin[0]
+    for i, name in enumerate("qkv"):  # no copies: each input is a view into qkv
+        assert call[name].data_ptr() == qkv[:, i].data_ptr()
+    assert call["cu_seqlens_q"] is cu and call["cu_seqlens_k"] is cu
+    dout = rand(*out.shape, seed=5, grad=False)
+    out.backward(dout)
+    kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    want = ref_grads(*qkv.unbind(1), dout, **kw)
+    torch.testing.assert_close(qkv.grad, torch.stack(want, dim=1).to(BF16), **ONE_BF16_STEP)
+
+    q, kv = rand(9, 4, 64, seed=6), rand(7, 2, 2, 64, seed=7)
+    cu_k = torch.tensor([0, 2, 5, 7], dtype=torch.int32)
+    out, lse, _ = flash_cute.flash_attn_varlen_kvpacked_func(q, kv, cu, cu_k, 6, 3,
+                                                             return_attn_probs=True)
+    assert standin[-1]["v"].data_ptr() == kv[:, 1].data_ptr()
+    ref, ref_lse = attention_ref(q, *kv.unbind(1), cu_seqlens_q=cu, cu_seqlens_k=cu_k)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    with pytest.raises(ValueError, match="kv must have shape"):
+        flash_cute.flash_attn_varlen_kvpacked_func(q, kv[:, :1], cu, cu_k, 6, 3)
+
+
 def test_varlen_without_keys_or_queries_needs_no_kernel():
     """No keys at all (a TMA descriptor needs a non-empty K) or no queries: dispatch answers on
     the host, so the real dispatch.fwd runs here on CPU. Rows that see no key: out 0, lse -inf."""
@@ -220,6 +245,8 @@ def test_public_api():
     assert flash_cute.__version__ == "0.1.0"
     assert set(flash_cute.__all__) == {"flash_attn_func", "flash_attn_varlen_func",
                                        "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                                       "flash_attn_varlen_qkvpacked_func",
+                                       "flash_attn_varlen_kvpacked_func",
                                        "flash_attn_with_kvcache", "__version__"}
 
 
