@@ -17,7 +17,6 @@ sequence). The recompute matches the fp32 oracle's gradients up to fp32 rounding
 unfused: it materialises the (sq, sk) score matrix, O(s^2) memory and slow.
 """
 import functools
-import warnings
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
@@ -134,7 +133,7 @@ def _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
     FLASH_CUTE_FUSED_BWD=0) the fp32 recompute, which takes any dout layout (it copies to
     fp32). The body of flash_cute::bwd and of FlashAttnFunc.backward. ``window_size``:
     FA2's (left, right)."""
-    if _fused_bwd_applies(q, softcap, alibi_slopes):
+    if _fused_bwd_applies(q):
         causal_k, window = dispatch.window_bounds(window_size, causal, q.shape[1], k.shape[1])
         return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                             causal=causal_k, deterministic=deterministic, window=window,
@@ -178,23 +177,11 @@ def _input_grads(ctx, grads):
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-def _fused_bwd_applies(q, softcap=0.0, alibi_slopes=None) -> bool:
-    """The fused SM90 backward runs this call: enabled, an sm_90 tensor, a head dim and
-    options it has (validation refused the rest). Where only the options keep it off an
-    sm_90 GPU (softcap with ALiBi), the recompute runs and warns once: slow, O(s^2) memory."""
-    if not (backward.fused_bwd_enabled() and q.is_cuda and _is_sm90(q.device)):
-        return False
-    why = backward.unsupported_bwd_option(head_dim=q.shape[-1], softcap=softcap,
-                                          alibi=alibi_slopes is not None)
-    if why is not None and backward.unsupported_bwd_option(head_dim=q.shape[-1]) is None:
-        _warn_recompute(why)
-    return why is None
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_recompute(why: str):
-    warnings.warn(f"flash_cute: the fused backward has no {why}; this backward runs the fp32 "
-                  "recompute (correct, slow, O(seqlen^2) memory)", stacklevel=3)
+def _fused_bwd_applies(q) -> bool:
+    """The fused SM90 backward runs this call: enabled, an sm_90 tensor and a head dim it
+    has (validation refused the unsupported options)."""
+    return (backward.fused_bwd_enabled() and q.is_cuda and _is_sm90(q.device)
+            and backward.unsupported_bwd_option(head_dim=q.shape[-1]) is None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -287,7 +274,7 @@ def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, s
     apply; otherwise the fp32 recompute per sequence (slow, O(s^2) memory). The body of
     flash_cute::varlen_bwd and of FlashAttnFunc.backward. ``window_size``: FA2's (left,
     right)."""
-    if _fused_bwd_applies(q, softcap, alibi_slopes):
+    if _fused_bwd_applies(q):
         causal_k, window = dispatch.window_bounds(window_size, causal, max_seqlen_q,
                                                   max_seqlen_k)
         return backward.varlen_bwd(

@@ -42,7 +42,7 @@ The wide kernel is checked on the H200 by bench/check_bwd.py and bench/check_var
 
 ``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` when the tensors are on an sm_90 GPU
 and ``unsupported_bwd_option`` returns None (d 64/96/128/192/256, batched and varlen, plain,
-causal, sliding window, GQA, deterministic); otherwise, or with ``FLASH_CUTE_FUSED_BWD=0``, it
+causal, sliding window, softcap, ALiBi, GQA, deterministic); otherwise, or with ``FLASH_CUTE_FUSED_BWD=0``, it
 runs the fp32 recompute.
 
 Compilation follows ``flash_cute.dispatch``: fake tensors with symbolic sizes and strides, so the
@@ -160,15 +160,11 @@ def _sms_override(sms: int) -> int:
     return min(override, sms) if override > 0 else sms
 
 
-def unsupported_bwd_option(*, head_dim: int, dropout_p: float = 0.0, softcap: float = 0.0,
-                           alibi: bool = False):
+def unsupported_bwd_option(*, head_dim: int, dropout_p: float = 0.0):
     """Why the fused backward cannot run this call (a string), or None if it can (batched
     and varlen alike)."""
     if head_dim not in BWD_SUPPORTED_HEAD_DIMS:
         return f"head_dim={head_dim} (fused backward supports {BWD_SUPPORTED_HEAD_DIMS})"
-    if softcap > 0 and alibi:
-        # dS^T recovers the tanh from P^T (bwd_cols.tanh_grad), which ALiBi's bias shifts.
-        return "softcap together with alibi_slopes"
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p}"
     return None
@@ -468,8 +464,11 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
     80-row one spilled 34 words with the window's bounds (session 43). ``softcap``: the
     tanh and dS^T's log2 spilled the causal 80-row tile with early LSE reads (22 words) and
     d=64's 128-row tile with swizzled dQ rows (5 words), so those go (session 44); ``alibi``:
-    its bias spilled the 80-row tile with early LSE reads (2-5 words)."""
+    its bias spilled the 80-row tile with early LSE reads (2-5 words); both together at
+    d = 64 / 128: score_mods_overrides."""
     chosen = set(cfg_overrides or {}) | set(env_overrides())
+    if d in SCORE_MODS_TILE_HEAD_DIMS and softcap and alibi:
+        return score_mods_overrides(d, cfg_overrides, softcap, alibi)
     out = cfg_overrides
     talt_min = BWD_TALT_CAUSAL_MIN_SEQLEN_Q if causal else BWD_TALT_MIN_SEQLEN_Q
     if d == 64 and not chosen & set(BATCHED_TILE_M128):
@@ -484,6 +483,23 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
             and not persistent and not chosen & _TILE_FIELDS and not (softcap and d == 64)):
         out = {**(out or {}), "swizzle_dq": True}
     return out
+
+
+# Softcap with ALiBi: the bias recomputed beside the recovered tanh (bwd_cols.tanh_grad) costs
+# registers. ptxas, session 45 (STL per kernel): d=64's 128-row staggered tile 92, its 64-row
+# tile 0; d=128's 80-row tile 21, its 64-row tile 21, without early LSE / D reads 3-7 (none
+# spill-free; varlen, already without them, 22). Both head dims take the 64-row tile.
+SCORE_MODS_TILE_HEAD_DIMS = (64, 128)
+
+
+def score_mods_overrides(d: int, cfg_overrides=None, softcap: bool = False,
+                         alibi: bool = False):
+    """The backward's overrides for softcap with ALiBi (batched and varlen): d=64 keeps its
+    default 64-row tile, d=128 also drops the early LSE / D reads (see above)."""
+    chosen = set(cfg_overrides or {}) | set(env_overrides())
+    if d != 128 or not (softcap and alibi) or "early_lse_d" in chosen:
+        return cfg_overrides
+    return {"early_lse_d": False, **(cfg_overrides or {})}
 
 
 def split_tail_overrides(d: int, overrides=None, causal: bool = False,
@@ -759,6 +775,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if total_q == 0 or total_k == 0 or batch == 0 or h == 0:  # no scores at all: all 0
         return _zero_grads(q, k, v)
     _require_runnable(d, q.device)
+    cfg_overrides = score_mods_overrides(d, cfg_overrides, softcap > 0, alibi_slopes is not None)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     persistent = _resolve_persistent(persistent, d)

@@ -17,7 +17,7 @@ MMA_WG = 2  # kernels/sm90/bwd.py: the key block's rows split over two mma warpg
 
 
 def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n, window=None,
-                 softcap=0.0, slopes=None):
+                 softcap=0.0, slopes=None, recover_bias=True):
     """The kernels' algorithm, block by block, in float64: bwd_pre's D and LSE_log2 (with its
     padding and +inf rules), the main kernel's m-block range and mask range per key block
     (block_info), and the transposed tiles; asserts the plan never skips or leaves unmasked a
@@ -25,7 +25,8 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n, window=
     finite (left, right) (causal set), its two mask ranges and the deterministic order's
     first key block per query block. ``softcap``: S^T becomes tanh(S^T * scale / softcap),
     and dS^T's 1 - tanh^2 is recovered from P^T and LSE_log2 as bwd_cols.tanh_grad does;
-    ``slopes`` (h,): ALiBi's bias in S's units, before the mask (mask.add_alibi_key_major)."""
+    ``slopes`` (h,): ALiBi's bias in S's units, before the mask (mask.add_alibi_key_major);
+    with both, the recovery adds the bias back (``recover_bias``; False: the wrong recovery)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g = h // hk
@@ -82,9 +83,11 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n, window=
                     St = Kt @ Qt.T                                  # S^T: keys x queries
                     if softcap > 0:
                         St = torch.tanh(St * (scale / softcap))
+                    bias = 0.0
                     if slopes is not None:  # the slope in S's units: exp2 sees S * scale_log2
                         slope = slopes[hi].item() * math.log2(math.e) / scale_log2
-                        St = St - slope * (rows + off - keys).abs().to(f)
+                        bias = slope * (rows + off - keys).abs().to(f)
+                        St = St - bias
                     if m < mask_end or m >= left_start:
                         # skip_masked_wg: a warpgroup's keys (tile_n / 2, from its first one
                         # at or past key_end_visible, or ending before key_start_visible) are
@@ -107,8 +110,9 @@ def _emulate_bwd(q, k, v, out, dout, lse, scale, causal, tile_m, tile_n, window=
                     Pt = torch.exp2(St * scale_log2 - lt)
                     dPt = Vt @ dOt.T
                     dSt = Pt * (dPt - D[bi, hi, m * tile_m:(m + 1) * tile_m].view(1, -1))
-                    if softcap > 0:  # bwd_cols.tanh_grad: tanh from P^T, clamped
-                        t = ((torch.log2(Pt) + lt) / scale_log2).nan_to_num(-1.0).clamp(-1, 1)
+                    if softcap > 0:  # bwd_cols.tanh_grad: tanh from P^T (+ bias), clamped
+                        t = ((torch.log2(Pt) + lt) / scale_log2 + (bias if recover_bias else 0))
+                        t = t.nan_to_num(-1.0).clamp(-1, 1)
                         dSt = dSt * (1 - t * t)
                     dV[bi, n * tile_n:(n + 1) * tile_n, hi] += Pt @ dOt
                     dK[bi, n * tile_n:(n + 1) * tile_n, hi] += dSt @ Qt
@@ -182,7 +186,8 @@ def test_varlen_padded_rows_disjoint(lens, tile_m):
     assert end <= rows and rows % tile_m == 0, (end, rows)
 
 
-SCORE_MODS = [(0.5, None), (5.0, None), (50.0, None), (0.0, "alibi"), (0.0, "alibi-steep")]
+SCORE_MODS = [(0.5, None), (5.0, None), (50.0, None), (0.0, "alibi"), (0.0, "alibi-steep"),
+              (5.0, "alibi"), (0.5, "alibi-steep")]
 
 
 @pytest.mark.parametrize("tile_n", [8, 4], ids=["tn=2tm", "tn=tm(wide)"])
@@ -210,17 +215,23 @@ def test_bwd_plan_score_mods_match_oracle(sq, sk, causal, window, softcap, alibi
         assert torch.allclose(g_, r, atol=1e-5, rtol=1e-4), f"d{name}: {(g_ - r).abs().max()}"
 
 
-def test_tanh_recovery_needs_no_bias():
-    """Why softcap with ALiBi takes the fp32 recompute in the backward: with the bias inside
-    P^T, the tanh recovered from P^T alone is off, and so are the gradients."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_tanh_recovery_with_alibi_adds_the_bias_back(causal):
+    """Softcap with ALiBi: P^T holds tanh - bias, so the recovered tanh needs the bias added
+    back (bwd_cols.tanh_grad's ``bias``); without it the gradients are off."""
     torch.manual_seed(3)
     b, h, d, sq, sk, scale = 1, 2, 8, 9, 11, 0.35
     q, k, v, dout = (torch.randn(b, s, h, d, dtype=torch.float64) * 2
                      for s in (sq, sk, sk, sq))
     slopes = torch.tensor([0.3, 1.0], dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = attention_ref(*leaves, softmax_scale=scale, softcap=2.0, alibi_slopes=slopes)
+    out, lse = attention_ref(*leaves, softmax_scale=scale, causal=causal, softcap=2.0,
+                             alibi_slopes=slopes)
     ref = torch.autograd.grad(out, leaves, dout)
-    got = _emulate_bwd(q, k, v, out.detach(), dout, lse.detach(), scale, False, tile_m=4,
-                       tile_n=8, softcap=2.0, slopes=slopes)
-    assert not torch.allclose(got[0], ref[0], atol=1e-3, rtol=1e-2)
+    args = (q, k, v, out.detach(), dout, lse.detach(), scale, causal)
+    got = _emulate_bwd(*args, tile_m=4, tile_n=8, softcap=2.0, slopes=slopes)
+    for name, g_, r in zip("qkv", got, ref):
+        assert torch.allclose(g_, r, atol=1e-5, rtol=1e-4), f"d{name}: {(g_ - r).abs().max()}"
+    wrong = _emulate_bwd(*args, tile_m=4, tile_n=8, softcap=2.0, slopes=slopes,
+                         recover_bias=False)
+    assert not torch.allclose(wrong[0], ref[0], atol=1e-3, rtol=1e-2)

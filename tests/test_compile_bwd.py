@@ -128,7 +128,7 @@ def test_bwd_main_score_mod_compiles(d, causal, varlen, deterministic, gqa, seql
     count."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
-    on = {mods: True}  # both together run the fp32 recompute (unsupported_bwd_option)
+    on = {mods: True}  # both together: test_bwd_main_softcap_with_alibi_compiles
     ov = {} if varlen else (backward.batched_overrides(d, None, causal, seqlen_q,
                                                        local=local, **on) or {})
     ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, gqa, deterministic,
@@ -141,6 +141,27 @@ def test_bwd_main_score_mod_compiles(d, causal, varlen, deterministic, gqa, seql
     assert ops["HGMMA"] == ref["HGMMA"]
     if mods == "softcap":
         assert ops.get("MUFU", 0) > ref.get("MUFU", 0), "no tanh / log2"
+
+
+# Softcap with ALiBi (dS^T adds the bias back to the recovered tanh): the tiles the host picks
+# (backward.score_mods_overrides) and the spills ptxas leaves there (STL, LDL), measured in
+# session 45: d=128 has no spill-free tile for it.
+SOFTCAP_ALIBI_BWD = [(64, True, False, 16384, (0, 0)), (96, True, False, 512, (0, 0)),
+                     (128, True, False, 16384, (7, 7)), (128, False, False, 512, (3, 3)),
+                     (128, True, True, 0, (22, 27)), (256, True, False, 16384, (0, 0))]
+
+
+@pytest.mark.parametrize("d,causal,varlen,seqlen_q,spills", SOFTCAP_ALIBI_BWD, ids=str)
+def test_bwd_main_softcap_with_alibi_compiles(d, causal, varlen, seqlen_q, spills, tmp_path,
+                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    on = dict(softcap=True, alibi=True)
+    ov = (backward.score_mods_overrides(d, None, **on) if varlen
+          else backward.batched_overrides(d, None, causal, seqlen_q, **on)) or {}
+    ops = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", d, causal, varlen=varlen, **on,
+                                          **ov), tmp_path)
+    check_main_sass(ops, spills)
 
 
 def test_bwd_local_needs_causal():

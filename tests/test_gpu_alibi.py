@@ -87,27 +87,28 @@ def test_alibi_varlen(d, causal, per_batch):
                          alibi_slopes=case_slopes(per_batch, 6, 4, d))
 
 
-# softcap with ALiBi: the fp32 recompute (its warning filtered in test_alibi_grads).
+# softcap with ALiBi (300x517): the fused backward adds the bias back where it recovers the
+# tanh from P^T (bwd_cols.tanh_grad).
 GRAD_CASES = [c for c in CASES if c[0] > 1 and c[0] != 239]
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("sq,sk,causal,window,softcap,per_batch", GRAD_CASES,
                          ids=map(case_id, GRAD_CASES))
-@pytest.mark.filterwarnings("ignore:flash_cute. the fused backward has no")
 def test_alibi_grads(sq, sk, causal, window, softcap, per_batch, d):
     q, k, v = qkv_inputs(2, sq, sk, 4, 2, d, seed=sq + d)
     check_grads(q, k, v, (0, 1, 2), causal=causal, window_size=window, softcap=softcap,
                 alibi_slopes=case_slopes(per_batch, 2, 4, d))
 
 
-@pytest.mark.skipif(ON_CPU, reason="the warning is the GPU path's")
-def test_softcap_with_alibi_backward_warns_it_is_not_fused():
-    from flash_cute import autograd
-    q, k, v = (t.requires_grad_() for t in qkv_inputs(1, 64, 64, 2, 2, 64, seed=1))
-    autograd._warn_recompute.cache_clear()  # it warns once per reason and process
-    with pytest.warns(UserWarning, match="softcap together with alibi_slopes"):
-        flash_attn_func(q, k, v, softcap=5.0, alibi_slopes=slopes(2)).sum().backward()
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap_with_alibi_fused_grads(d, causal):
+    """Steep slopes and a low cap: the bias moves most scores far from the tanh's value, so
+    a recovery that forgot it would be far off."""
+    q, k, v = qkv_inputs(2, 200, 333, 4, 2, d, seed=d + 3)
+    check_grads(q, k, v, (0, 1, 2), causal=causal, softcap=2.0,
+                alibi_slopes=slopes(2, 4, seed=d) * 4)
 
 
 @pytest.mark.parametrize("d,causal", [(64, False), (128, False), (128, True), (256, True)])

@@ -102,16 +102,27 @@ def add_alibi(acc_S: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor, m_block
             s_mn[r, c] = s_mn[r, c] - slope * dist
 
 
+def key_major_distance(tScS: cute.Tensor, t0ScS: cute.Tensor, r: int, c: int, n_block: Int32,
+                       m_block: Int32, tile_n: int, tile_m: int, seqlen_q: Int32,
+                       seqlen_k: Int32) -> Float32:
+    """|i + seqlen_k - seqlen_q - j| of element (r, c) of a thread's transposed tile S^T (rows
+    = keys j, columns = queries i): the row's part in thread-0 column coordinates, plus the
+    column. Traced inline (r, c are trace-time ints), so one row's part is shared."""
+    c0_mn, row0, col0 = acc_as_mn(t0ScS), acc_as_mn(tScS)[0, 0][0], acc_as_mn(tScS)[0, 0][1]
+    key = n_block * tile_n + row0 + c0_mn[r, 0][0]
+    base = Float32(m_block * tile_m + col0 + seqlen_k - seqlen_q - key)
+    return cute.math.absf(base + Float32(c0_mn[r, c][1]))
+
+
 @cute.jit
 def add_alibi_key_major(acc_St: cute.Tensor, tScS: cute.Tensor, t0ScS: cute.Tensor,
                         n_block: Int32, m_block: Int32, tile_n: cutlass.Constexpr[int],
                         tile_m: cutlass.Constexpr[int], seqlen_q: Int32, seqlen_k: Int32,
                         slope: Float32):
     """add_alibi on the backward's transposed tile S^T (rows = keys, columns = queries)."""
-    s_mn, c0_mn, row0, col0 = _views(acc_St, tScS, t0ScS)
+    s_mn = acc_as_mn(acc_St)
     for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-        key = n_block * tile_n + row0 + c0_mn[r, 0][0]
-        base = Float32(m_block * tile_m + col0 + seqlen_k - seqlen_q - key)
         for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-            dist = cute.math.absf(base + Float32(c0_mn[r, c][1]))
+            dist = key_major_distance(tScS, t0ScS, r, c, n_block, m_block, tile_n, tile_m,
+                                      seqlen_q, seqlen_k)
             s_mn[r, c] = s_mn[r, c] - slope * dist

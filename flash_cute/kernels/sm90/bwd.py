@@ -797,11 +797,17 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
         """dS^T = P^T o (dP^T - D) in place of dP^T (kernels/sm90/bwd_cols.py)."""
         bwd_cols.ds_from_dp(tdPrdP, p_mn, tScS, t0ScS, sD, s, dsum, cap)
 
-    def softcap_cols(self, sLSE, s, lse=None):
-        """bwd_cols.SoftcapCols for dS^T with softcap (LSE_log2 of Q stage ``s``), else None."""
+    def softcap_cols(self, sLSE, s, lse=None, slope=None, n_block=None, m_block=None,
+                     seqlen_q=None, seqlen_k=None):
+        """bwd_cols.SoftcapCols for dS^T with softcap (LSE_log2 of Q stage ``s``; with ALiBi's
+        ``slope``, the tile's block and lengths for its bias), else None."""
         if const_expr(not self.softcap):
             return None
-        return bwd_cols.SoftcapCols(sLSE, s, lse, self.inv_k)
+        alibi = None
+        if const_expr(slope is not None):
+            alibi = bwd_cols.AlibiCols(slope, n_block, m_block, self.tile_n, self.tile_m,
+                                       seqlen_q, seqlen_k)
+        return bwd_cols.SoftcapCols(sLSE, s, lse, self.inv_k, alibi)
 
     @cute.jit
     def m_step(self, m_block: Int32, st, masked: cutlass.Constexpr[bool], mma_sdp, mma_dkv,
@@ -911,7 +917,7 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
         else:
             gemm(mma_dkv, tdVrdV, tdVrP, tdVrdO[None, None, None, s], zero_init=False,
                  wait_group=1)  # dP^T ready; dV keeps running
-        cap = self.softcap_cols(sLSE, s, lse)
+        cap = self.softcap_cols(sLSE, s, lse, slope, n_block, m_block, seqlen_q, seqlen_k)
         if const_expr(self.ds_from_p16 and self.cfg.ds16 and not self.softcap):
             bwd_cols.ds16_from_dp(rdS, tdPrdP, rP, tScS, t0ScS, sD, s, dsum)
         elif const_expr(self.ds_from_p16 and self.cfg.p16_view

@@ -15,27 +15,55 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..common.layout import acc_as_mn, cvt_pair, mul_pair, unpack_bf16
+from ..common.mask import key_major_distance
+
+
+class AlibiCols(NamedTuple):
+    """ALiBi's bias where softcap's tanh is recovered (SoftcapCols.alibi): the slope in S's
+    units and what mask.key_major_distance needs of the tile."""
+    slope: Float32
+    n_block: Int32
+    m_block: Int32
+    tile_n: int
+    tile_m: int
+    seqlen_q: Int32
+    seqlen_k: Int32
 
 
 class SoftcapCols(NamedTuple):
     """What dS^T needs of softcapping (S = softcap * tanh(scale * qk / softcap)): LSE_log2's
     rows (``sLSE``) and the Q stage it rides with (``stage``), or its column values
-    (``lse``, load_cols), and 1 / scale_log2 (``inv_k``, scale_log2 = softcap * log2(e))."""
+    (``lse``, load_cols), 1 / scale_log2 (``inv_k``, scale_log2 = softcap * log2(e)), and
+    with ALiBi the bias subtracted after the tanh (``alibi``)."""
     sLSE: cute.Tensor
     stage: Int32
     lse: Optional[cute.Tensor]
     inv_k: Float32
+    alibi: Optional[AlibiCols] = None
 
 
 @cute.jit
-def tanh_grad(p: Float32, lse_c: Float32, inv_k: Float32) -> Float32:
+def tanh_grad(p: Float32, lse_c: Float32, inv_k: Float32, bias=None) -> Float32:
     """1 - tanh^2 of the score behind probability p, recovered from p itself:
-    p = exp2(tanh * k - LSE_log2), so tanh = (log2 p + LSE_log2) / k, clamped to [-1, 1]
+    p = exp2((tanh - bias) * k - LSE_log2), so tanh = (log2 p + LSE_log2) / k + bias
+    (``bias``: ALiBi's slope * distance in S's units, else 0), clamped to [-1, 1]
     (p = 0, underflowed or masked, gives -inf or NaN there: the clamp makes it -1, a zero
     derivative times a zero p). No register holds the tanh between P^T and dS^T."""
     t = (cute.math.log2(p, fastmath=True) + lse_c) * inv_k
+    if cutlass.const_expr(bias is not None):
+        t = t + bias
     t = cute.arch.fmin(cute.arch.fmax(t, Float32(-1.0)), Float32(1.0))
     return Float32(1.0) - t * t
+
+
+def _cap_grad(cap: SoftcapCols, p, lse_c, tScS, t0ScS, r: int, c: int):
+    """tanh_grad of S^T's element (r, c), with ALiBi's bias added back when there is one."""
+    bias = None
+    if cutlass.const_expr(cap.alibi is not None):
+        a = cap.alibi
+        bias = a.slope * key_major_distance(tScS, t0ScS, r, c, a.n_block, a.m_block, a.tile_n,
+                                            a.tile_m, a.seqlen_q, a.seqlen_k)
+    return tanh_grad(p, lse_c, cap.inv_k, bias)
 
 
 @cute.jit
@@ -90,7 +118,8 @@ def ds_from_dp(tdPrdP: cute.Tensor, p_mn: cute.Tensor, tScS: cute.Tensor, t0ScS:
             if cutlass.const_expr(cap is None):
                 dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c)
             else:
-                dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c) * tanh_grad(p, lse_c, cap.inv_k)
+                dp_mn[r, c] = (p * (dp_mn[r, c] - dsum_c)
+                               * _cap_grad(cap, p, lse_c, tScS, t0ScS, r, c))
 
 
 @cute.jit
@@ -112,7 +141,8 @@ def ds_from_dp_packed(tdPrdP: cute.Tensor, rP: cute.Tensor, tScS: cute.Tensor,
             if cutlass.const_expr(cap is None):
                 dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c)
             else:
-                dp_mn[r, c] = p * (dp_mn[r, c] - dsum_c) * tanh_grad(p, lse_c, cap.inv_k)
+                dp_mn[r, c] = (p * (dp_mn[r, c] - dsum_c)
+                               * _cap_grad(cap, p, lse_c, tScS, t0ScS, r, c))
 
 
 @cute.jit

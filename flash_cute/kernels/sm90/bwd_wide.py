@@ -286,7 +286,8 @@ class FlashBwdWideSm90(FlashBwdSm90):
              wait_group=1)  # dP^T ready; dV keeps running
 
         self.ds_from_dp(tdPrdP, acc_as_mn(tSrS), tScS, t0ScS, sD, s_do,  # D rides with dO
-                        cap=self.softcap_cols(sLSE, s))
+                        cap=self.softcap_cols(sLSE, s, None, slope, n_block, m_block,
+                                              seqlen_q, seqlen_k))
         rdS.store(tdPrdP.load().to(self.dtype))
         cute.copy(thr_store, thr_store.retile(rdS), tPsPdS[None, None, None, DS_BUF])
         cute.arch.fence_proxy("async.shared", space="cta")
