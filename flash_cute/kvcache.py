@@ -12,6 +12,12 @@ Decoding with GQA (one query per sequence, h = g * hk): the g query heads that s
 become g query rows of one head, so each KV head's cache is read once per sequence instead of
 g times (FA3's pack_gqa). Exact at seqlen_q = 1 with no window and no ALiBi: there every row
 sits at the last position, and bottom-right causal masks nothing.
+
+Split-KV (``num_splits``; automatic where a call's tiles would leave SMs idle): each
+sequence's keys are cut into chunks that run as sequences of their own with the same query
+rows, in one varlen launch, and the chunks' outputs are merged by their LSEs in fp32
+(torch ops). Exact where no mask or bias depends on positions (see ``splittable``); each
+chunk's output is rounded to the input dtype before the merge.
 """
 from __future__ import annotations
 
@@ -19,10 +25,16 @@ import numbers
 
 import torch
 
-from flash_cute import interface, validation
+from flash_cute import dispatch, interface, validation
 
 # The packed-decode rewrite needs every packed row at the same position (see the docstring).
 PACK_GQA_MAX_SEQLEN_Q = 1
+# Split-KV: a chunk of at least this many keys (8 key blocks of 128: the tile's start, Q load
+# and epilogue stay a small share of its time), whole key blocks, at most MAX_SPLITS chunks.
+SPLIT_MIN_KEYS = 1024
+SPLIT_KEY_ALIGN = 128
+MAX_SPLITS = 64
+ROW_TILE = 128  # query rows per forward tile (d <= 128; a bound for the tile count)
 
 
 def _lengths(name, value, batch, device, s_cache):
@@ -135,6 +147,51 @@ def _check_fit(cache_seqlens, seqlens, leftpad, s_new, s_cache, validate):
                          "sequence")
 
 
+def _num_splits(asked: int, tiles: int, s_cache: int, device) -> int:
+    """Chunks per sequence: ``asked`` when > 0; automatic (0) on a GPU: enough to fill the
+    SMs where the calls' tiles leave them idle, each chunk >= SPLIT_MIN_KEYS keys."""
+    if asked > 0:
+        return min(asked, _ceil_div(s_cache, SPLIT_KEY_ALIGN))
+    if device.type != "cuda":
+        return 1
+    sms = dispatch.num_sms(device)
+    return max(1, min(_ceil_div(sms, tiles), s_cache // SPLIT_MIN_KEYS, MAX_SPLITS))
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts):
+    """The varlen forward over ``splits`` key chunks of each sequence (chunk j: its keys from
+    j * chunk on, as a sequence of its own with the same query rows), the chunks then merged
+    by their LSEs in fp32. Returns (out, lse) as the unsplit call would."""
+    chunk = _ceil_div(_ceil_div(s_cache, splits), SPLIT_KEY_ALIGN) * SPLIT_KEY_ALIGN
+    splits = _ceil_div(s_cache, chunk)
+    dev, heads, d = qp.device, qp.shape[1], qp.shape[2]
+    starts = torch.arange(0, splits * chunk, chunk, device=dev, dtype=torch.int32)
+    lo = starts[None] if leftpad is None else leftpad[:, None] + starts
+    # Chunk starts stay inside their cache (so cu_seqlens_k ascends), lengths inside chunks.
+    cu = (lo.clamp(max=s_cache)
+          + torch.arange(0, b * s_cache, s_cache, device=dev, dtype=torch.int32)[:, None])
+    cu = torch.cat((cu.flatten(), cu.new_full((1,), b * s_cache)))
+    lens = (used[:, None] - starts).clamp_(0, chunk).flatten()
+    qs = qp.view(b, 1, rows_q, heads, d).expand(b, splits, rows_q, heads, d)
+    qs = qs.reshape(b * splits * rows_q, heads, d)
+    cu_q = torch.arange(0, (b * splits + 1) * rows_q, rows_q, device=dev, dtype=torch.int32)
+    out_s, lse_s, _ = interface.flash_attn_varlen_func(
+        qs, kp, vp, cu_q, cu, rows_q, chunk, return_attn_probs=True, seqused_k=lens, **opts)
+    lse_s = lse_s.view(heads, b, splits, rows_q).permute(1, 2, 3, 0)  # (b, S, rows, heads)
+    m = lse_s.amax(dim=1)
+    m = torch.where(m == float("-inf"), 0.0, m)  # rows with no key anywhere: weights 0
+    w = torch.exp(lse_s - m[:, None])
+    den = w.sum(dim=1)
+    o = (w[..., None] * out_s.view(b, splits, rows_q, heads, d).float()).sum(dim=1)
+    out = (o / den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).to(qp.dtype)
+    lse = (m + den.log()).permute(2, 0, 1).reshape(heads, b * rows_q)
+    return out.reshape(b * rows_q, heads, d), lse
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
@@ -153,7 +210,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (non-causal, non-local: every query at position cache_seqlens). causal and window_size are
     bottom-right aligned to each sequence's keys. Not differentiable (as FA2's).
     Returns out (b, sq, h, d), and softmax_lse fp32 (b, h, sq) when return_softmax_lse.
-    block_table (paged caches) and num_splits > 1 raise NotImplementedError.
+    num_splits: key chunks per sequence (split-KV, merged by their LSEs): 0 picks them where
+    a call's tiles would leave SMs idle, 1 never splits; splitting needs position-free scores
+    (one query row or non-causal, no window, no ALiBi: num_splits > 1 otherwise raises
+    NotImplementedError, 0 runs unsplit). block_table (paged caches) raises
+    NotImplementedError.
     validate_cache_seqlens=True (or FLASH_CUTE_DEBUG=1) checks that the lengths fit the cache
     (cache_leftpad <= cache_seqlens, cache_seqlens + s_new <= s_cache) at the cost of a sync;
     an int cache_seqlens is always checked.
@@ -164,9 +225,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or \
             num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
-    if num_splits > 1:
-        raise NotImplementedError(f"flash_cute: num_splits = {num_splits} (split-KV) is not "
-                                  "supported; use 0 (automatic) or 1")
     validation.check_flag("return_softmax_lse", return_softmax_lse)
     validation.check_tensor("q", q)
     if q.dim() != 4:
@@ -223,11 +281,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         rows_q, heads_q = (sq * g, hk) if pack else (sq, h)
         qp = q.reshape(b, sq, hk, g, d).transpose(2, 3) if pack else q
         qp = qp.reshape(b * rows_q, heads_q, d)
-        cu_q = torch.arange(0, (b + 1) * rows_q, rows_q, device=dev, dtype=torch.int32)
-        out, lse, _ = interface.flash_attn_varlen_func(
-            qp, kp, vp, cu_q, cu_k, rows_q, s_cache, softmax_scale=softmax_scale,
-            causal=causal and not pack, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, return_attn_probs=True, seqused_k=used)
+        opts = dict(softmax_scale=softmax_scale, causal=causal and not pack,
+                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        # A key range of its own per chunk changes nothing only where no mask or bias looks
+        # at positions: one query row per sequence (bottom-right causal masks nothing) or
+        # non-causal, no window, no ALiBi.
+        splittable = ((sq == 1 or not causal) and window_size == (-1, -1)
+                      and alibi_slopes is None)
+        if num_splits > 1 and not splittable:
+            raise NotImplementedError(
+                f"flash_cute: num_splits = {num_splits} with causal seqlen_q > 1, a window or "
+                "ALiBi (split-KV needs position-free scores); use 0 or 1")
+        splits = _num_splits(num_splits if splittable else 1,
+                             b * heads_q * _ceil_div(rows_q, ROW_TILE), s_cache, dev)
+        if splits > 1:
+            out, lse = _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts)
+        else:
+            cu_q = torch.arange(0, (b + 1) * rows_q, rows_q, device=dev, dtype=torch.int32)
+            out, lse, _ = interface.flash_attn_varlen_func(
+                qp, kp, vp, cu_q, cu_k, rows_q, s_cache, return_attn_probs=True,
+                seqused_k=used, **opts)
     if pack:
         out = out.view(b, sq, g, hk, d).transpose(2, 3).reshape(b, sq, h, d)
     else:

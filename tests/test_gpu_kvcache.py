@@ -25,6 +25,9 @@ CASES = [
     (2, 1, 12, 12, 96, 333, 1, True, (-1, -1), 0.0, True, False, False, None),
     (2, 5, 8, 4, 192, 257, 5, False, (-1, -1), 0.0, False, False, True, (64, True)),
     (5, 3, 4, 1, 128, 1, 0, True, (-1, -1), 0.0, False, False, False, None),
+    # split-KV picked automatically (few tiles, long caches): GQA rows, leftpad, softcap
+    (2, 1, 32, 8, 128, 8000, 1, True, (-1, -1), 0.0, False, True, False, None),
+    (1, 1, 16, 16, 256, 5000, 0, False, (-1, -1), 10.0, False, False, False, None),
 ]
 
 
@@ -34,7 +37,7 @@ def case_id(c):
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_kvcache_against_oracle(case):
+def test_kvcache_against_oracle(case, num_splits=0):
     b, sq, h, hk, d, s, s_new, causal, window, cap, alibi, leftpad, bidx, rot = case
     g = torch.Generator(device=DEVICE).manual_seed(7)
     bc = b + 2 if bidx else b
@@ -65,12 +68,20 @@ def test_kvcache_against_oracle(case):
     out, lse = flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
         cache_batch_idx=batch_idx.int() if bidx else None, cache_leftpad=lp, causal=causal,
-        window_size=window, softcap=cap, alibi_slopes=slopes, return_softmax_lse=True, **kw)
+        window_size=window, softcap=cap, alibi_slopes=slopes, return_softmax_lse=True,
+        num_splits=num_splits, **kw)
     (want, want_lse, want_k, want_v), (low, low_lse, _, _) = refs
     torch.testing.assert_close(k_cache, want_k, rtol=2 ** -7, atol=0)  # rotated: fp32 rounding
     assert torch.equal(v_cache, want_v)
     check_close(out, want, low, name="out")
     check_close(lse, want_lse, low_lse, name="lse")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_kvcache_forced_splits(num_splits):
+    """Non-causal queries of a chunked prefill over forced key chunks (split-KV's merge)."""
+    test_kvcache_against_oracle((3, 9, 8, 2, 128, 1500, 9, False, (-1, -1), 0.0, False, False,
+                                 True, (32, False)), num_splits)
 
 
 def test_decode_lengths_do_not_recompile():

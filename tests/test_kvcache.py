@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flash_cute
-from flash_cute.reference import attention_ref
+from flash_cute.reference import attention_ref, check_close
 
 BF16 = torch.bfloat16
 ONE_BF16_STEP = dict(rtol=2 ** -7, atol=2 ** -16)
@@ -85,7 +85,7 @@ def cases(draw):
                 leftpad=leftpad, rotary=rotary, batch_idx=draw(st.booleans()),
                 causal=draw(st.booleans()), window=draw(st.sampled_from([(-1, -1), (3, 0)])),
                 softcap=draw(st.sampled_from([0.0, 5.0])), alibi=draw(st.booleans()),
-                seed=draw(st.integers(0, 2 ** 16)))
+                splits=draw(st.sampled_from([0, 2, 5])), seed=draw(st.integers(0, 2 ** 16)))
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # stateless use
@@ -110,19 +110,64 @@ def test_kvcache_matches_per_sequence_reference(standin, c):
         rotary = (theta.cos(), theta.sin(), inter)
         kw = dict(rotary_cos=rotary[0], rotary_sin=rotary[1], rotary_interleaved=inter)
     slopes = torch.rand(h, generator=gen) if c["alibi"] else None
+    k_cache_0, v_cache_0 = k_cache.clone(), v_cache.clone()
     want, want_lse, want_k, want_v = kvcache_ref(q, k_cache, v_cache, k, v, seqlens, batch_idx,
                                                  leftpad, rotary, c["causal"], c["window"],
                                                  c["softcap"], slopes)
+    splittable = ((c["sq"] == 1 or not c["causal"]) and c["window"] == (-1, -1)
+                  and not c["alibi"])
     out, lse = flash_cute.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
         cache_batch_idx=batch_idx.int() if c["batch_idx"] else None, cache_leftpad=leftpad,
         causal=c["causal"], window_size=c["window"], softcap=c["softcap"], alibi_slopes=slopes,
-        return_softmax_lse=True, validate_cache_seqlens=True, **kw)
+        return_softmax_lse=True, validate_cache_seqlens=True,
+        num_splits=c["splits"] if splittable else 0, **kw)
     assert out.shape == q.shape and lse.shape == (b, h, c["sq"]) and lse.is_contiguous()
     torch.testing.assert_close(k_cache, want_k, **ONE_BF16_STEP)  # appended in place (rotated)
     torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0)
-    torch.testing.assert_close(out, want, **ONE_BF16_STEP)
+    if c["splits"] and splittable:  # chunks round to bf16 before the merge: the FA rule
+        low = kvcache_ref(q, k_cache_0, v_cache_0, k, v, seqlens, batch_idx, leftpad, rotary,
+                          c["causal"], c["window"], c["softcap"], slopes, upcast=False)[0]
+        check_close(out, want, low)
+    else:
+        torch.testing.assert_close(out, want, **ONE_BF16_STEP)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,sq", [(True, 1), (False, 4)])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_split_kv_chunks_and_merge(standin, causal, sq, gqa):
+    """num_splits chunks per sequence run as sequences of their own (leftpad and lengths
+    that end inside, at and before a chunk's edge, an empty cache), merged by their LSEs."""
+    gen = torch.Generator().manual_seed(8)
+    b, h, hk, d, s = 4, 4, 2 if gqa else 4, 64, 300
+    q = rand(b, sq, h, d, gen=gen)
+    k_cache, v_cache = rand(b, s, hk, d, gen=gen), rand(b, s, hk, d, gen=gen)
+    seqlens = torch.tensor([300, 256, 0, 131], dtype=torch.int32)
+    leftpad = torch.tensor([0, 100, 0, 131], dtype=torch.int32)
+    (want, want_lse, _, _), (low, _, _, _) = (
+        kvcache_ref(q, k_cache, v_cache, None, None, seqlens, torch.arange(b), leftpad, None,
+                    causal, (-1, -1), 0.0, None, upcast=up) for up in (True, False))
+    out, lse = flash_cute.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, cache_leftpad=leftpad, causal=causal,
+        num_splits=3, return_softmax_lse=True)
+    call = standin[-1]
+    rows = sq * (h // hk) if sq == 1 else sq
+    assert call["max_seqlen_k"] == 128 and call["q"].shape[0] == b * 3 * rows
+    assert call["cu_seqlens_k"].tolist() == [0, 128, 256, 400, 528, 600, 600, 728, 856,
+                                              1031, 1159, 1200, 1200]
+    assert call["seqused_k"].tolist() == [128, 128, 44, 128, 28, 0, 0, 0, 0, 0, 0, 0]
+    check_close(out, want, low)  # chunks round to bf16 before the merge: the FA rule
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_split_kv_refused_where_positions_matter(standin):
+    gen = torch.Generator().manual_seed(9)
+    args = (rand(1, 3, 2, 64, gen=gen), rand(1, 8, 2, 64, gen=gen), rand(1, 8, 2, 64, gen=gen))
+    with pytest.raises(NotImplementedError, match="num_splits"):
+        flash_cute.flash_attn_with_kvcache(*args, causal=True, num_splits=2)
+    flash_cute.flash_attn_with_kvcache(*args, causal=True, num_splits=0)  # runs unsplit
+    assert standin[-1]["max_seqlen_k"] == 8
 
 
 @pytest.mark.parametrize("window,alibi,packed", [((-1, -1), False, True),
@@ -184,7 +229,6 @@ def _args(**over):
 @pytest.mark.parametrize("over,exc,match", [
     (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError,
      "block_table"),
-    (dict(num_splits=4), NotImplementedError, "num_splits"),
     (dict(num_splits=-1), ValueError, "num_splits"),
     (dict(k=torch.zeros(2, 1, 2, 64, dtype=BF16)), ValueError, "together"),
     (dict(k=torch.zeros(2, 1, 2, 64, dtype=BF16), v=torch.zeros(2, 1, 2, 64, dtype=BF16),
