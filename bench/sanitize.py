@@ -162,11 +162,17 @@ CASES = {
                             alibi=True, backward=False)),
     "alibi_bwd": lambda: (check(128, True, 700, 900, alibi=True),
                           check(256, False, 300, 200, alibi=True)),
+    # Softcap with ALiBi in the fused backward (session 45: the bias added back to the
+    # recovered tanh; d=128 on its 64-row tile without early LSE reads, the wide d=256).
+    "softcap_alibi_bwd": lambda: (check(128, True, 700, 900, softcap=5.0, alibi=True),
+                                  check(64, False, 300, 200, softcap=2.0, alibi=True),
+                                  check(256, False, 300, 200, softcap=2.0, alibi=True)),
     "fa4_128": lambda: check_fa4(128, False, 300, 300),
 }
 DEFAULT = ("bwd128c", "bwd64", "persistent128", "bwd96c", "bwd128_talt", "fwd64c_narrow",
            "persistent64c_dyn", "fwd_early", "fwd_idle_wg", "fwd_qregs", "fwd_split",
-           "varlen128c", "window", "softcap", "softcap_bwd", "alibi", "alibi_bwd")
+           "varlen128c", "window", "softcap", "softcap_bwd", "alibi", "alibi_bwd",
+           "softcap_alibi_bwd")
 if __name__ == "__main__":
     # python bench/sanitize.py [case ...] (default: all but the FA4 baseline)
     for name in sys.argv[1:] or DEFAULT:

@@ -34,6 +34,13 @@ PACK_GQA_MAX_SEQLEN_Q = 1
 SPLIT_MIN_KEYS = 1024
 SPLIT_KEY_ALIGN = 128
 MAX_SPLITS = 64
+# Automatic split only where one tile's keys take far longer than the split's host-side cost:
+# its ~40 more torch ops (chunk bounds, the LSE merge) cost ~400 us of host time per call on
+# the H100 (session 45, bench/kvcache_profile.py: b=1, 8k keys, d=128: GPU time 92 -> 59 us,
+# host 178 -> 579 us), while a tile streams its keys at ~50 GB/s (a CTA alone): ~1 ms at
+# 64k keys x d=128. Under CUDA graphs the host cost goes: pass num_splits there.
+SPLIT_AUTO_MIN_KEYS = 65536
+SPLIT_AUTO_MAX_TILE_SHARE = 2  # tiles <= SMs / 2: most SMs would idle
 ROW_TILE = 128  # query rows per forward tile (d <= 128; a bound for the tile count)
 
 
@@ -152,9 +159,11 @@ def _num_splits(asked: int, tiles: int, s_cache: int, device) -> int:
     SMs where the calls' tiles leave them idle, each chunk >= SPLIT_MIN_KEYS keys."""
     if asked > 0:
         return min(asked, _ceil_div(s_cache, SPLIT_KEY_ALIGN))
-    if device.type != "cuda":
+    if device.type != "cuda" or s_cache < SPLIT_AUTO_MIN_KEYS:
         return 1
     sms = dispatch.num_sms(device)
+    if tiles * SPLIT_AUTO_MAX_TILE_SHARE > sms:
+        return 1
     return max(1, min(_ceil_div(sms, tiles), s_cache // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
@@ -181,15 +190,13 @@ def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts):
     cu_q = torch.arange(0, (b * splits + 1) * rows_q, rows_q, device=dev, dtype=torch.int32)
     out_s, lse_s, _ = interface.flash_attn_varlen_func(
         qs, kp, vp, cu_q, cu, rows_q, chunk, return_attn_probs=True, seqused_k=lens, **opts)
-    lse_s = lse_s.view(heads, b, splits, rows_q).permute(1, 2, 3, 0)  # (b, S, rows, heads)
-    m = lse_s.amax(dim=1)
-    m = torch.where(m == float("-inf"), 0.0, m)  # rows with no key anywhere: weights 0
-    w = torch.exp(lse_s - m[:, None])
-    den = w.sum(dim=1)
-    o = (w[..., None] * out_s.view(b, splits, rows_q, heads, d).float()).sum(dim=1)
-    out = (o / den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).to(qp.dtype)
-    lse = (m + den.log()).permute(2, 0, 1).reshape(heads, b * rows_q)
-    return out.reshape(b * rows_q, heads, d), lse
+    # Merge: weights exp(lse_chunk - lse), 0 for an empty chunk (and NaN -> 0 where no chunk
+    # has a key: -inf - -inf), summed over the chunks in fp32.
+    lse_s = lse_s.view(heads, b, splits, rows_q)
+    lse = torch.logsumexp(lse_s, dim=2)  # (heads, b, rows)
+    w = torch.exp(lse_s - lse.unsqueeze(2)).nan_to_num_(0.0)
+    out = torch.einsum("hbsr,bsrhd->brhd", w, out_s.view(b, splits, rows_q, heads, d).float())
+    return out.to(qp.dtype).reshape(b * rows_q, heads, d), lse.reshape(heads, b * rows_q)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -211,7 +218,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     bottom-right aligned to each sequence's keys. Not differentiable (as FA2's).
     Returns out (b, sq, h, d), and softmax_lse fp32 (b, h, sq) when return_softmax_lse.
     num_splits: key chunks per sequence (split-KV, merged by their LSEs): 0 picks them where
-    a call's tiles would leave SMs idle, 1 never splits; splitting needs position-free scores
+    a call's tiles would leave most SMs idle over >= 64k keys (SPLIT_AUTO_MIN_KEYS: the split
+    costs host time; under CUDA graphs ask for it), 1 never splits; splitting needs position-free scores
     (one query row or non-causal, no window, no ALiBi: num_splits > 1 otherwise raises
     NotImplementedError, 0 runs unsplit). block_table (paged caches) raises
     NotImplementedError.

@@ -25,9 +25,10 @@ CASES = [
     (2, 1, 12, 12, 96, 333, 1, True, (-1, -1), 0.0, True, False, False, None),
     (2, 5, 8, 4, 192, 257, 5, False, (-1, -1), 0.0, False, False, True, (64, True)),
     (5, 3, 4, 1, 128, 1, 0, True, (-1, -1), 0.0, False, False, False, None),
-    # split-KV picked automatically (few tiles, long caches): GQA rows, leftpad, softcap
     (2, 1, 32, 8, 128, 8000, 1, True, (-1, -1), 0.0, False, True, False, None),
     (1, 1, 16, 16, 256, 5000, 0, False, (-1, -1), 10.0, False, False, False, None),
+    # split-KV picked automatically (two tiles over 70k keys): GQA rows, leftpad
+    (2, 1, 8, 1, 128, 70000, 1, True, (-1, -1), 0.0, False, True, False, None),
 ]
 
 
