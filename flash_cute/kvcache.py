@@ -21,6 +21,7 @@ chunk's output is rounded to the input dtype before the merge.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -167,6 +168,20 @@ def _num_splits(asked: int, tiles: int, s_cache: int, device) -> int:
     return max(1, min(_ceil_div(sms, tiles), s_cache // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_prefix(n: int, step: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, (n + 1) * step, step, device=device, dtype=torch.int32)
+
+
+def _prefix(n: int, step: int, device: torch.device) -> torch.Tensor:
+    """0, step, ..., n * step as int32 on ``device``: built once per (n, step) outside
+    torch.compile (a decode step pays one launch less per array). Read-only: callers that
+    add to it take a copy."""
+    if torch.compiler.is_compiling():
+        return torch.arange(0, (n + 1) * step, step, device=device, dtype=torch.int32)
+    return _cached_prefix(n, step, device)
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -181,15 +196,14 @@ def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts):
     starts = torch.arange(0, splits * chunk, chunk, device=dev, dtype=torch.int32)
     lo = starts[None] if leftpad is None else leftpad[:, None] + starts
     # Chunk starts stay inside their cache (so cu_seqlens_k ascends), lengths inside chunks.
-    cu = (lo.clamp(max=s_cache)
-          + torch.arange(0, b * s_cache, s_cache, device=dev, dtype=torch.int32)[:, None])
-    cu = torch.cat((cu.flatten(), cu.new_full((1,), b * s_cache)))
+    cache_rows = _prefix(b, s_cache, dev)
+    cu = torch.cat(((lo.clamp(max=s_cache) + cache_rows[:b, None]).flatten(), cache_rows[b:]))
     lens = (used[:, None] - starts).clamp_(0, chunk).flatten()
     qs = qp.view(b, 1, rows_q, heads, d).expand(b, splits, rows_q, heads, d)
     qs = qs.reshape(b * splits * rows_q, heads, d)
-    cu_q = torch.arange(0, (b * splits + 1) * rows_q, rows_q, device=dev, dtype=torch.int32)
     out_s, lse_s, _ = interface.flash_attn_varlen_func(
-        qs, kp, vp, cu_q, cu, rows_q, chunk, return_attn_probs=True, seqused_k=lens, **opts)
+        qs, kp, vp, _prefix(b * splits, rows_q, dev), cu, rows_q, chunk,
+        return_attn_probs=True, seqused_k=lens, **opts)
     # Merge: weights exp(lse_chunk - lse), 0 for an empty chunk (and NaN -> 0 where no chunk
     # has a key: -inf - -inf), summed over the chunks in fp32.
     lse_s = lse_s.view(heads, b, splits, rows_q)
@@ -218,9 +232,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     bottom-right aligned to each sequence's keys. Not differentiable (as FA2's).
     Returns out (b, sq, h, d), and softmax_lse fp32 (b, h, sq) when return_softmax_lse.
     num_splits: key chunks per sequence (split-KV, merged by their LSEs): 0 picks them where
-    a call's tiles would leave most SMs idle over >= 64k keys (SPLIT_AUTO_MIN_KEYS: the split
-    costs host time; under CUDA graphs ask for it), 1 never splits; splitting needs position-free scores
-    (one query row or non-causal, no window, no ALiBi: num_splits > 1 otherwise raises
+    a call's tiles would leave most SMs idle over >= 64k keys (SPLIT_AUTO_MIN_KEYS: the
+    split costs host time; under CUDA graphs ask for it), 1 never splits; splitting needs
+    position-free scores (one query row or non-causal, no window, no ALiBi: num_splits > 1
+    otherwise raises
     NotImplementedError, 0 runs unsplit). block_table (paged caches) raises
     NotImplementedError.
     validate_cache_seqlens=True (or FLASH_CUTE_DEBUG=1) checks that the lengths fit the cache
@@ -277,8 +292,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         # Sequence i's keys: rows [leftpad[i], seqlens[i] + s_new) of its cache. One arange
         # per prefix-sum array (a decode step's host-side kernels are a visible share of it).
         used = seqlens + s_new if s_new else seqlens
-        cu_k = torch.arange(0, (b + 1) * s_cache, s_cache, device=dev, dtype=torch.int32)
+        cu_k = _prefix(b, s_cache, dev)
         if leftpad is not None:
+            cu_k = cu_k.clone()
             cu_k[:b] += leftpad
             used = (used - leftpad).clamp_(min=0)
         kp, vp = k_cache[:b].flatten(0, 1), v_cache[:b].flatten(0, 1)
@@ -305,9 +321,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if splits > 1:
             out, lse = _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts)
         else:
-            cu_q = torch.arange(0, (b + 1) * rows_q, rows_q, device=dev, dtype=torch.int32)
             out, lse, _ = interface.flash_attn_varlen_func(
-                qp, kp, vp, cu_q, cu_k, rows_q, s_cache, return_attn_probs=True,
+                qp, kp, vp, _prefix(b, rows_q, dev), cu_k, rows_q, s_cache, return_attn_probs=True,
                 seqused_k=used, **opts)
     if pack:
         out = out.view(b, sq, g, hk, d).transpose(2, 3).reshape(b, sq, h, d)
