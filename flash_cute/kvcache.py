@@ -27,6 +27,7 @@ import numbers
 import torch
 
 from flash_cute import dispatch, interface, validation
+from flash_cute.autograd import use_custom_ops
 
 # The packed-decode rewrite needs every packed row at the same position (see the docstring).
 PACK_GQA_MAX_SEQLEN_Q = 1
@@ -38,9 +39,10 @@ MAX_SPLITS = 64
 # Automatic split only where one tile's keys take far longer than the split's host-side cost:
 # its ~40 more torch ops (chunk bounds, the LSE merge) cost ~400 us of host time per call on
 # the H100 (session 45, bench/kvcache_profile.py: b=1, 8k keys, d=128: GPU time 92 -> 59 us,
-# host 178 -> 579 us), while a tile streams its keys at ~50 GB/s (a CTA alone): ~1 ms at
-# 64k keys x d=128. Under CUDA graphs the host cost goes: pass num_splits there.
-SPLIT_AUTO_MIN_KEYS = 65536
+# host 178 -> 579 us), while a tile streams its keys at ~50 GB/s (a CTA alone). Measured
+# (bench/kvcache_bench.py, h=32, hk=8): b=1 / 4 at 64k keys 0.90 / 0.90 of the unsplit call,
+# at 128k 1.83 / 1.45. Under CUDA graphs the host cost goes: pass num_splits there.
+SPLIT_AUTO_MIN_KEYS = 98304
 SPLIT_AUTO_MAX_TILE_SHARE = 2  # tiles <= SMs / 2: most SMs would idle
 ROW_TILE = 128  # query rows per forward tile (d <= 128; a bound for the tile count)
 
@@ -182,6 +184,20 @@ def _prefix(n: int, step: int, device: torch.device) -> torch.Tensor:
     return _cached_prefix(n, step, device)
 
 
+def _attend(qp, kp, vp, cu_q, cu_k, max_q, max_k, used, opts):
+    """(out, lse) of the varlen forward on arguments built here from validated ones: eager
+    calls go to dispatch.fwd with only the layout check (a decode step's host time is most
+    of it: session 45), traced ones through the custom op."""
+    if use_custom_ops():
+        out, lse, _ = interface.flash_attn_varlen_func(
+            qp, kp, vp, cu_q, cu_k, max_q, max_k, return_attn_probs=True, seqused_k=used,
+            **opts)
+        return out, lse
+    validation.check_qkv(qp, kp, vp, varlen=True, require_cuda=interface._REQUIRE_CUDA)
+    return dispatch.fwd(qp, kp, vp, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                        max_seqlen_k=max_k, seqused_k=used, **opts)
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -201,9 +217,8 @@ def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts):
     lens = (used[:, None] - starts).clamp_(0, chunk).flatten()
     qs = qp.view(b, 1, rows_q, heads, d).expand(b, splits, rows_q, heads, d)
     qs = qs.reshape(b * splits * rows_q, heads, d)
-    out_s, lse_s, _ = interface.flash_attn_varlen_func(
-        qs, kp, vp, _prefix(b * splits, rows_q, dev), cu, rows_q, chunk,
-        return_attn_probs=True, seqused_k=lens, **opts)
+    out_s, lse_s = _attend(qs, kp, vp, _prefix(b * splits, rows_q, dev), cu, rows_q, chunk,
+                           lens, opts)
     # Merge: weights exp(lse_chunk - lse), 0 for an empty chunk (and NaN -> 0 where no chunk
     # has a key: -inf - -inf), summed over the chunks in fp32.
     lse_s = lse_s.view(heads, b, splits, rows_q)
@@ -232,7 +247,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     bottom-right aligned to each sequence's keys. Not differentiable (as FA2's).
     Returns out (b, sq, h, d), and softmax_lse fp32 (b, h, sq) when return_softmax_lse.
     num_splits: key chunks per sequence (split-KV, merged by their LSEs): 0 picks them where
-    a call's tiles would leave most SMs idle over >= 64k keys (SPLIT_AUTO_MIN_KEYS: the
+    a call's tiles would leave most SMs idle over >= 96k keys (SPLIT_AUTO_MIN_KEYS: the
     split costs host time; under CUDA graphs ask for it), 1 never splits; splitting needs
     position-free scores (one query row or non-causal, no window, no ALiBi: num_splits > 1
     otherwise raises
@@ -258,6 +273,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     window_size = validation.check_window_size(window_size)
     causal = validation.check_flag("causal", causal)
     b, sq, h, d = q.shape
+    # Every option checked before the caches change (the append is a side effect).
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is not None:
+            validation.check_layout(name, t)
+    validation.check_device("q", q, require_cuda=interface._REQUIRE_CUDA)
+    softmax_scale = validation.check_softmax_scale(softmax_scale, d)
+    softcap = validation.check_softcap(softcap)
+    validation.check_alibi_slopes(alibi_slopes, b, h, q.device)
     s_cache, hk = k_cache.shape[1], k_cache.shape[2]
     dev = q.device
     seqlens = _lengths("cache_seqlens", s_cache if cache_seqlens is None else cache_seqlens, b,
@@ -321,9 +344,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if splits > 1:
             out, lse = _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts)
         else:
-            out, lse, _ = interface.flash_attn_varlen_func(
-                qp, kp, vp, _prefix(b, rows_q, dev), cu_k, rows_q, s_cache, return_attn_probs=True,
-                seqused_k=used, **opts)
+            out, lse = _attend(qp, kp, vp, _prefix(b, rows_q, dev), cu_k, rows_q, s_cache,
+                               used, opts)
     if pack:
         out = out.view(b, sq, g, hk, d).transpose(2, 3).reshape(b, sq, h, d)
     else:

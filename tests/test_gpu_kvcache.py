@@ -27,8 +27,8 @@ CASES = [
     (5, 3, 4, 1, 128, 1, 0, True, (-1, -1), 0.0, False, False, False, None),
     (2, 1, 32, 8, 128, 8000, 1, True, (-1, -1), 0.0, False, True, False, None),
     (1, 1, 16, 16, 256, 5000, 0, False, (-1, -1), 10.0, False, False, False, None),
-    # split-KV picked automatically (two tiles over 70k keys): GQA rows, leftpad
-    (2, 1, 8, 1, 128, 70000, 1, True, (-1, -1), 0.0, False, True, False, None),
+    # split-KV picked automatically (two tiles over 100k keys): GQA rows, leftpad
+    (2, 1, 8, 1, 128, 100000, 1, True, (-1, -1), 0.0, False, True, False, None),
 ]
 
 

@@ -255,6 +255,18 @@ def test_bad_arguments_raise(standin, over, exc, match):
     assert not standin  # nothing reached the kernel
 
 
+@pytest.mark.parametrize("over,match", [(dict(softcap=-1.0), "softcap"),
+                                        (dict(softmax_scale=0.0), "softmax_scale"),
+                                        (dict(alibi_slopes=torch.ones(3)), "alibi_slopes")])
+def test_bad_options_raise_before_the_append(standin, over, match):
+    a = _args(k=torch.ones(2, 1, 2, 64, dtype=BF16), v=torch.ones(2, 1, 2, 64, dtype=BF16),
+              cache_seqlens=3, **over)
+    before = a["k_cache"].clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        flash_cute.flash_attn_with_kvcache(**a)
+    assert torch.equal(a["k_cache"], before) and not standin
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rotary_positions(standin, causal, interleaved):
