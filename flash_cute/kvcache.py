@@ -81,6 +81,12 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_batch_idx):
     bc, _, hk, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"k_cache has head dim {dk} but q has {d}")
+    if h == 0 or hk == 0 or h % hk != 0:
+        raise ValueError(f"nheads of q ({h}) must be a positive multiple of nheads of the "
+                         f"caches ({hk})")
+    if d not in validation.SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head dim {d} is not supported; supported head dims: "
+                                  f"{', '.join(map(str, validation.SUPPORTED_HEAD_DIMS))}")
     if cache_batch_idx is None and bc < b:
         raise ValueError(f"k_cache has batch {bc} < q's batch {b} (and no cache_batch_idx)")
     if (k is None) != (v is None):
@@ -250,8 +256,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     a call's tiles would leave most SMs idle over >= 96k keys (SPLIT_AUTO_MIN_KEYS: the
     split costs host time; under CUDA graphs ask for it), 1 never splits; splitting needs
     position-free scores (one query row or non-causal, no window, no ALiBi: num_splits > 1
-    otherwise raises
-    NotImplementedError, 0 runs unsplit). block_table (paged caches) raises
+    otherwise raises NotImplementedError, 0 runs unsplit). block_table (paged caches) raises
     NotImplementedError.
     validate_cache_seqlens=True (or FLASH_CUTE_DEBUG=1) checks that the lengths fit the cache
     (cache_leftpad <= cache_seqlens, cache_seqlens + s_new <= s_cache) at the cost of a sync;
@@ -290,6 +295,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     s_new = 0 if k is None else k.shape[1]
     _check_fit(s_cache if cache_seqlens is None else cache_seqlens, seqlens, leftpad, s_new,
                s_cache, validate_cache_seqlens or validation._debug_enabled())
+
+    # A key range of its own per chunk changes nothing only where no mask or bias looks at
+    # positions: one query row per sequence (bottom-right causal masks nothing) or
+    # non-causal, no window, no ALiBi.
+    splittable = (sq == 1 or not causal) and window_size == (-1, -1) and alibi_slopes is None
+    if num_splits > 1 and not splittable:
+        raise NotImplementedError(
+            f"flash_cute: num_splits = {num_splits} with causal seqlen_q > 1, a window or "
+            "ALiBi (split-KV needs position-free scores); use 0 or 1")
 
     if sq == 0 or s_cache == 0:  # nothing to attend with or to (the arange steps below > 0)
         out = q.new_zeros(b, sq, h, d)
@@ -330,15 +344,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         qp = qp.reshape(b * rows_q, heads_q, d)
         opts = dict(softmax_scale=softmax_scale, causal=causal and not pack,
                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-        # A key range of its own per chunk changes nothing only where no mask or bias looks
-        # at positions: one query row per sequence (bottom-right causal masks nothing) or
-        # non-causal, no window, no ALiBi.
-        splittable = ((sq == 1 or not causal) and window_size == (-1, -1)
-                      and alibi_slopes is None)
-        if num_splits > 1 and not splittable:
-            raise NotImplementedError(
-                f"flash_cute: num_splits = {num_splits} with causal seqlen_q > 1, a window or "
-                "ALiBi (split-KV needs position-free scores); use 0 or 1")
         splits = _num_splits(num_splits if splittable else 1,
                              b * heads_q * _ceil_div(rows_q, ROW_TILE), s_cache, dev)
         if splits > 1:

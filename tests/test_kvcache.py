@@ -257,12 +257,21 @@ def test_bad_arguments_raise(standin, over, exc, match):
 
 @pytest.mark.parametrize("over,match", [(dict(softcap=-1.0), "softcap"),
                                         (dict(softmax_scale=0.0), "softmax_scale"),
-                                        (dict(alibi_slopes=torch.ones(3)), "alibi_slopes")])
+                                        (dict(alibi_slopes=torch.ones(3)), "alibi_slopes"),
+                                        (dict(q=torch.ones(2, 3, 4, 64, dtype=BF16),
+                                              causal=True, num_splits=2), "num_splits"),
+                                        (dict(q=torch.ones(2, 1, 3, 64, dtype=BF16)),
+                                         "multiple"),
+                                        (dict(q=torch.ones(2, 1, 4, 80, dtype=BF16),
+                                              k_cache=torch.ones(2, 8, 2, 80, dtype=BF16),
+                                              v_cache=torch.ones(2, 8, 2, 80, dtype=BF16)),
+                                         "head dim")])
 def test_bad_options_raise_before_the_append(standin, over, match):
-    a = _args(k=torch.ones(2, 1, 2, 64, dtype=BF16), v=torch.ones(2, 1, 2, 64, dtype=BF16),
+    d = over["q"].shape[-1] if "q" in over else 64
+    a = _args(k=torch.ones(2, 1, 2, d, dtype=BF16), v=torch.ones(2, 1, 2, d, dtype=BF16),
               cache_seqlens=3, **over)
     before = a["k_cache"].clone()
-    with pytest.raises((ValueError, TypeError), match=match):
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=match):
         flash_cute.flash_attn_with_kvcache(**a)
     assert torch.equal(a["k_cache"], before) and not standin
 
