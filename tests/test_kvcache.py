@@ -293,3 +293,25 @@ def test_rotary_positions(standin, causal, interleaved):
         q, k_cache, v_cache, k, v, rotary_cos=theta.cos(), rotary_sin=theta.sin(),
         cache_seqlens=seqlens, causal=causal, rotary_interleaved=interleaved)
     torch.testing.assert_close(out, want, **ONE_BF16_STEP)
+
+
+def test_torch_compile_fullgraph_matches_eager(standin):
+    """A decode step under torch.compile (aot_eager, fullgraph): the append and the custom op
+    in one graph, the same result and cache as eager."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(10)
+    q = rand(2, 1, 4, 64, gen=gen)
+    k_cache, v_cache = rand(2, 16, 2, 64, gen=gen), rand(2, 16, 2, 64, gen=gen)
+    k, v = rand(2, 1, 2, 64, gen=gen), rand(2, 1, 2, 64, gen=gen)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+
+    def step(q, kc, vc, k, v, lens):
+        return flash_cute.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
+                                                  causal=True)
+
+    kc_eager, vc_eager = k_cache.clone(), v_cache.clone()
+    want = step(q, kc_eager, vc_eager, k, v, lens)
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k_cache, v_cache, k, v,
+                                                                  lens)
+    assert torch.equal(got, want) and torch.equal(k_cache, kc_eager)
+    assert torch.equal(v_cache, vc_eager)
