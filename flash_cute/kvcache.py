@@ -21,7 +21,6 @@ chunk's output is rounded to the input dtype before the merge.
 """
 from __future__ import annotations
 
-import functools
 import numbers
 
 import torch
@@ -176,18 +175,29 @@ def _num_splits(asked: int, tiles: int, s_cache: int, device) -> int:
     return max(1, min(_ceil_div(sms, tiles), s_cache // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_prefix(n: int, step: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(0, (n + 1) * step, step, device=device, dtype=torch.int32)
+_PREFIXES: dict = {}
+_PREFIXES_MAX = 64  # distinct (n, step, device): batch sizes x cache lengths in use
 
 
 def _prefix(n: int, step: int, device: torch.device) -> torch.Tensor:
-    """0, step, ..., n * step as int32 on ``device``: built once per (n, step) outside
-    torch.compile (a decode step pays one launch less per array). Read-only: callers that
-    add to it take a copy."""
+    """0, step, ..., n * step as int32 on ``device``, built once per (n, step) (a decode step
+    pays one launch less per array). Read-only: callers that add to it take a copy.
+
+    Cached only from eager code, and filled by a synchronous copy: a tensor first built under
+    torch.compile or CUDA graph capture would hold values only once that graph runs, and one
+    filled by a kernel on one stream could be read too early from another."""
     if torch.compiler.is_compiling():
         return torch.arange(0, (n + 1) * step, step, device=device, dtype=torch.int32)
-    return _cached_prefix(n, step, device)
+    key = (n, step, device)
+    hit = _PREFIXES.get(key)
+    if hit is not None:
+        return hit
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.arange(0, (n + 1) * step, step, device=device, dtype=torch.int32)
+    if len(_PREFIXES) >= _PREFIXES_MAX:
+        _PREFIXES.clear()
+    out = _PREFIXES[key] = torch.arange(0, (n + 1) * step, step, dtype=torch.int32).to(device)
+    return out
 
 
 def _attend(qp, kp, vp, cu_q, cu_k, max_q, max_k, used, opts):

@@ -10,7 +10,7 @@ import torch
 
 from flash_cute import flash_attn_with_kvcache
 from flash_cute.reference import check_close
-from gpu_support import (DEVICE, _cpu_standin,  # noqa: F401 (autouse)
+from gpu_support import (DEVICE, ON_CPU, _cpu_standin,  # noqa: F401 (autouse)
                          gpu_module_marks, poison_allocator, rand)
 from test_kvcache import kvcache_ref
 
@@ -95,3 +95,46 @@ def test_decode_lengths_do_not_recompile():
     for n in (11, 200, 511, 1):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n, causal=True)
     assert dispatch.compile_cache_size() == before
+
+
+@pytest.mark.skipif(ON_CPU, reason="CUDA graphs")
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_step_under_cuda_graph(num_splits):
+    """A serving loop's decode step (append + attention, split or not) captured once in a CUDA
+    graph, then replayed with new tokens and lengths written into its static inputs: each
+    replay equals the eager call on a copy of the caches, bit for bit, caches included. The
+    cached index arrays are dropped before the capture, so their first build happens inside
+    it (such an array must not be cached: it holds its values only once the graph runs)."""
+    from flash_cute import kvcache
+    b, h, hk, d, s = 3, 16, 4, 128, 3000
+    q, k_new, v_new = rand(b, 1, h, d, seed=1), rand(b, 1, hk, d, seed=2), rand(b, 1, hk, d,
+                                                                                  seed=3)
+    k_cache, v_cache = rand(b, s, hk, d, seed=4), rand(b, s, hk, d, seed=5)
+    seqlens = torch.tensor([5, 2999, 1000], dtype=torch.int32, device=DEVICE)
+
+    def step(kc, vc):
+        return flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                       causal=True, num_splits=num_splits,
+                                       return_softmax_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles) off the capture
+        step(k_cache.clone(), v_cache.clone())
+    torch.cuda.current_stream().wait_stream(side)
+    kvcache._PREFIXES.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step(k_cache, v_cache)
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    for lengths in ([0, 17, 2998], [2500, 1, 640], [2999, 2999, 2999]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn(t.shape, generator=g, device=DEVICE))
+        kc, vc = k_cache.clone(), v_cache.clone()
+        want, want_lse = step(kc, vc)  # eager, its index arrays cached afresh
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
