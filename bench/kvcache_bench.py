@@ -3,12 +3,15 @@ FA4's varlen entry on the same cache (seqused_k, with and without its split-KV h
 SDPA on the full cache.
 
     cd bench && python kvcache_bench.py [--batch 1 8 64] [--cache 1024 8192 32768]
+        [--splits 8 32] [--graph]
 
 One query token per sequence, h = 32 query heads over hk = 8 KV heads, d = 128, bf16, every
 cache full to its length. Prints per cell the microseconds per call (each call's events bracket
 everything the API call queues: the index arithmetic and the attention kernel) and the cache
 bandwidth it reaches (K and V bytes read once / time). The outputs are compared with FA4's
-first.
+first. --splits adds flash_cute with num_splits forced to each count; --graph captures each
+call once in a CUDA graph and times its replays (a serving loop's decode step: the host's
+Python path gone, the GPU time of every kernel the call queues left).
 """
 import argparse
 import statistics
@@ -19,6 +22,25 @@ from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from flash_cute import flash_attn_with_kvcache
 
 
+def graphed(name, fn):
+    """fn captured in a CUDA graph (warmed up on a side stream first): its replay, or None
+    where the capture fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as e:  # a peer that cannot be captured
+        print(f"  {name}: no CUDA graph: {type(e).__name__}: {str(e)[:120]}")
+        torch.cuda.synchronize()
+        return None
+    return graph.replay
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
@@ -26,6 +48,8 @@ def main():
     ap.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("H", "HK"))
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--splits", type=int, nargs="*", default=[])
+    ap.add_argument("--graph", action="store_true")
     args = ap.parse_args()
     h, hk, d = args.heads[0], args.heads[1], args.d
     try:
@@ -42,6 +66,10 @@ def main():
             fns = {f"flash_cute{'' if s == 0 else '_splits1'}": (
                 lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=used, causal=True,
                                                     num_splits=s)) for s in (0, 1)}
+            for s in args.splits:
+                fns[f"flash_cute_splits{s}"] = (
+                    lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=used,
+                                                        causal=True, num_splits=s))
             if fa4 is not None:
                 for splits in (1, 0):
                     fns[f"fa4_splits{splits}"] = (
@@ -63,6 +91,8 @@ def main():
                     print(f"  {name}: {type(e).__name__}: {str(e)[:120]}")
                     fns[name] = None
             fns = {k: f for k, f in fns.items() if f is not None}
+            if args.graph:
+                fns = {k: g for k, g in ((k, graphed(k, f)) for k, f in fns.items()) if g}
             times = {k: [] for k in fns}
             for _ in range(args.rounds):
                 for k, f in fns.items():

@@ -613,3 +613,47 @@ def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = F
     working directory (the directory it saw at its first such compile must still exist)."""
     return _compile_fwd(arch, dtype_name, d, causal, varlen, keep_cubin=True,
                         **cfg_overrides).__cubin__
+
+
+def _compile_combine(arch: str, dtype_name: str, d: int, keep_cubin: bool = False):
+    """Split-KV's merge kernel (kernels/common/combine.py) for one (dtype, head dim)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernels.common.combine import CombineSplits
+
+    if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
+        raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
+    dt = getattr(cutlass, dtype_name)
+    b, splits, rows, h = (cute.sym_int() for _ in range(4))
+    parts = cute.runtime.make_fake_tensor(  # a view of the varlen out: any 16-byte strides
+        dt, (b, splits, rows, h, d),
+        tuple(cute.sym_int64(divisibility=128 // dt.width) for _ in range(4)) + (1,),
+        assumed_align=16)
+
+    def fp32(*shape):  # LSEs: compact, row-major
+        return cute.runtime.make_fake_compact_tensor(
+            cutlass.Float32, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
+            assumed_align=4)
+
+    out = cute.runtime.make_fake_compact_tensor(dt, (b, rows, h, d), stride_order=(3, 2, 1, 0),
+                                                assumed_align=16)
+    return compile_kernel(CombineSplits(dt, d),
+                          (parts, fp32(h, b, splits, rows), out, fp32(h, b, rows)), keep_cubin)
+
+
+def combine_splits(out_s: torch.Tensor, lse_s: torch.Tensor, batch: int, splits: int,
+                   rows: int):
+    """Split-KV's merge in one kernel: out_s (batch * splits * rows, h, d) and lse_s
+    (h, batch * splits * rows), a varlen forward's out / lse whose sequence b * splits + s held
+    chunk s of sequence b's keys, -> out (batch * rows, h, d), lse (h, batch * rows)."""
+    _, h, d = out_s.shape
+    out = torch.empty((batch, rows, h, d), dtype=out_s.dtype, device=out_s.device)
+    lse = torch.empty((h, batch, rows), dtype=torch.float32, device=out_s.device)
+    key = ("combine", _device_arch(out_s.device), _TORCH_TO_CUTLASS[out_s.dtype], d)
+    with _cache_lock:
+        if key not in _cache:
+            _cache[key] = _compile_combine(*key[1:])
+        kernel = _cache[key]
+    kernel(out_s.view(batch, splits, rows, h, d), lse_s.view(h, batch, splits, rows), out, lse)
+    return out.view(batch * rows, h, d), lse.view(h, batch * rows)

@@ -175,29 +175,51 @@ def _num_splits(asked: int, tiles: int, s_cache: int, device) -> int:
     return max(1, min(_ceil_div(sms, tiles), s_cache // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
-_PREFIXES: dict = {}
-_PREFIXES_MAX = 64  # distinct (n, step, device): batch sizes x cache lengths in use
+_INDEX_ARRAYS: dict = {}
+_INDEX_ARRAYS_MAX = 64  # distinct arrays kept: batch sizes x cache lengths x splits in use
 
 
-def _prefix(n: int, step: int, device: torch.device) -> torch.Tensor:
-    """0, step, ..., n * step as int32 on ``device``, built once per (n, step) (a decode step
-    pays one launch less per array). Read-only: callers that add to it take a copy.
+def _index_array(key: tuple, device: torch.device, build) -> torch.Tensor:
+    """A constant int32 index array, ``build(device)``, built once per (key, device) (a decode
+    step pays one launch less per array). Read-only: callers that add to it take a copy.
 
-    Cached only from eager code, and filled by a synchronous copy: a tensor first built under
+    Cached only from eager code, and filled by a synchronous copy: an array first built under
     torch.compile or CUDA graph capture would hold values only once that graph runs, and one
     filled by a kernel on one stream could be read too early from another."""
     if torch.compiler.is_compiling():
-        return torch.arange(0, (n + 1) * step, step, device=device, dtype=torch.int32)
-    key = (n, step, device)
-    hit = _PREFIXES.get(key)
+        return build(device)
+    hit = _INDEX_ARRAYS.get((key, device))
     if hit is not None:
         return hit
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.arange(0, (n + 1) * step, step, device=device, dtype=torch.int32)
-    if len(_PREFIXES) >= _PREFIXES_MAX:
-        _PREFIXES.clear()
-    out = _PREFIXES[key] = torch.arange(0, (n + 1) * step, step, dtype=torch.int32).to(device)
+        return build(device)
+    if len(_INDEX_ARRAYS) >= _INDEX_ARRAYS_MAX:
+        _INDEX_ARRAYS.clear()
+    out = _INDEX_ARRAYS[key, device] = build(torch.device("cpu")).to(device)
     return out
+
+
+def _prefix(n: int, step: int, device: torch.device) -> torch.Tensor:
+    """0, step, ..., n * step (cu_seqlens of n sequences of ``step`` rows)."""
+    return _index_array(("prefix", n, step), device, lambda dev: torch.arange(
+        0, (n + 1) * step, step, device=dev, dtype=torch.int32))
+
+
+def _chunk_bounds(b: int, s_cache: int, chunk: int, splits: int, device: torch.device):
+    """cu_seqlens_k of b caches of s_cache rows cut into ``splits`` chunks of ``chunk`` rows
+    (the last chunks of a cache may be empty: their starts stay inside it, so cu_seqlens_k
+    ascends), and the chunk starts within a cache (splits,)."""
+    def starts(dev):
+        return torch.arange(0, splits * chunk, chunk, device=dev, dtype=torch.int32)
+
+    def bounds(dev):
+        rows = torch.arange(0, (b + 1) * s_cache, s_cache, device=dev, dtype=torch.int32)
+        first = starts(dev).clamp(max=s_cache)[None] + rows[:b, None]
+        return torch.cat((first.flatten(), rows[b:]))
+
+    key = (b, s_cache, chunk, splits)
+    return (_index_array(("chunk_cu",) + key, device, bounds),
+            _index_array(("chunk_starts", chunk, splits), device, starts))
 
 
 def _attend(qp, kp, vp, cu_q, cu_k, max_q, max_k, used, opts):
@@ -225,23 +247,32 @@ def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts):
     chunk = _ceil_div(_ceil_div(s_cache, splits), SPLIT_KEY_ALIGN) * SPLIT_KEY_ALIGN
     splits = _ceil_div(s_cache, chunk)
     dev, heads, d = qp.device, qp.shape[1], qp.shape[2]
-    starts = torch.arange(0, splits * chunk, chunk, device=dev, dtype=torch.int32)
-    lo = starts[None] if leftpad is None else leftpad[:, None] + starts
-    # Chunk starts stay inside their cache (so cu_seqlens_k ascends), lengths inside chunks.
-    cache_rows = _prefix(b, s_cache, dev)
-    cu = torch.cat(((lo.clamp(max=s_cache) + cache_rows[:b, None]).flatten(), cache_rows[b:]))
+    cu, starts = _chunk_bounds(b, s_cache, chunk, splits, dev)
+    if leftpad is not None:  # chunk j of cache i from leftpad[i] + j * chunk (inside the cache)
+        cache_rows = _prefix(b, s_cache, dev)
+        cu = torch.cat(((leftpad[:, None] + starts).clamp_(max=s_cache).add_(
+            cache_rows[:b, None]).flatten(), cache_rows[b:]))
     lens = (used[:, None] - starts).clamp_(0, chunk).flatten()
     qs = qp.view(b, 1, rows_q, heads, d).expand(b, splits, rows_q, heads, d)
     qs = qs.reshape(b * splits * rows_q, heads, d)
     out_s, lse_s = _attend(qs, kp, vp, _prefix(b * splits, rows_q, dev), cu, rows_q, chunk,
                            lens, opts)
-    # Merge: weights exp(lse_chunk - lse), 0 for an empty chunk (and NaN -> 0 where no chunk
-    # has a key: -inf - -inf), summed over the chunks in fp32.
+    if qp.device.type == "cuda" and not use_custom_ops():
+        return dispatch.combine_splits(out_s, lse_s, b, splits, rows_q)  # one kernel
+    return _merge(out_s, lse_s, b, splits, rows_q)
+
+
+def _merge(out_s, lse_s, b, splits, rows_q):
+    """dispatch.combine_splits in torch ops (traced calls: torch.compile fuses them; the CPU
+    tests' stand-in)."""
+    heads, d = out_s.shape[1], out_s.shape[2]
+    # Weights exp(lse_chunk - lse), 0 for an empty chunk (and NaN -> 0 where no chunk has a
+    # key: -inf - -inf), summed over the chunks in fp32.
     lse_s = lse_s.view(heads, b, splits, rows_q)
     lse = torch.logsumexp(lse_s, dim=2)  # (heads, b, rows)
     w = torch.exp(lse_s - lse.unsqueeze(2)).nan_to_num_(0.0)
     out = torch.einsum("hbsr,bsrhd->brhd", w, out_s.view(b, splits, rows_q, heads, d).float())
-    return out.to(qp.dtype).reshape(b * rows_q, heads, d), lse.reshape(heads, b * rows_q)
+    return out.to(out_s.dtype).reshape(b * rows_q, heads, d), lse.reshape(heads, b * rows_q)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,

@@ -122,7 +122,7 @@ def test_decode_step_under_cuda_graph(num_splits):
     with torch.cuda.stream(side):  # warm-up (compiles) off the capture
         step(k_cache.clone(), v_cache.clone())
     torch.cuda.current_stream().wait_stream(side)
-    kvcache._PREFIXES.clear()
+    kvcache._INDEX_ARRAYS.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = step(k_cache, v_cache)
@@ -138,3 +138,33 @@ def test_decode_step_under_cuda_graph(num_splits):
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.equal(lse, want_lse)
         assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+
+
+@pytest.mark.skipif(ON_CPU, reason="the merge kernel itself")
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_combine_splits_kernel(d, dtype):
+    """dispatch.combine_splits against kvcache._merge (the same sums in torch ops): chunks
+    without keys (lse -inf, out 0), a row with no key in any chunk (out 0, lse -inf), a row
+    with one chunk; outputs poisoned first."""
+    from flash_cute import dispatch, kvcache
+    b, splits, rows, h = 3, 37, 5, 6
+    g = torch.Generator(device=DEVICE).manual_seed(d)
+    out_s = torch.randn(b * splits * rows, h, d, generator=g, device=DEVICE).to(dtype)
+    lse_s = torch.randn(h, b * splits * rows, generator=g, device=DEVICE) * 4
+    view = lse_s.view(h, b, splits, rows)
+    empty = torch.rand(h, b, splits, rows, generator=g, device=DEVICE) < 0.3
+    view[empty] = float("-inf")
+    view[:, 1, :, 2] = float("-inf")  # no key anywhere
+    view[:, 2, 1:, 0] = float("-inf")  # the first chunk only
+    out_s.view(b, splits, rows, h, d).permute(3, 0, 1, 2, 4)[view == float("-inf")] = 0
+    want, want_lse = kvcache._merge(out_s, lse_s, b, splits, rows)
+    poison_allocator()
+    out, lse = dispatch.combine_splits(out_s, lse_s, b, splits, rows)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2 ** -7, atol=2 ** -7)
+    assert torch.equal(out.view(b, rows, h, d)[1, 2], torch.zeros(h, d, dtype=dtype,
+                                                                  device=DEVICE))
+    assert torch.isneginf(lse.view(h, b, rows)[:, 1, 2]).all()
+    assert torch.equal(out.view(b, rows, h, d)[2, 0],
+                       out_s.view(b, splits, rows, h, d)[2, 0, 0])
