@@ -48,6 +48,10 @@ def _attention_batched(q, k, v, *, scale, window, softcap, alibi_slopes, sink, l
     sk, hk = k.shape[1], k.shape[2]
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
+    # Unused keys (past seqused_k) take no part, whatever they hold (a cache's unwritten rows
+    # may be NaN, and p = 0 times NaN would still be NaN).
+    used_k = (torch.arange(sk, device=q.device).view(1, sk) < len_k.view(-1, 1)).view(b, sk, 1, 1)
+    v = torch.where(used_k, v, torch.zeros((), dtype=v.dtype, device=v.device))
     # GQA/MQA: query head i reads kv head i // (h // hk); "(hk g)" puts the groups innermost.
     k = repeat(k, "b s hk d -> b s (hk g) d", g=h // hk)
     v = repeat(v, "b s hk d -> b s (hk g) d", g=h // hk)

@@ -38,7 +38,7 @@ def case_id(c):
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_kvcache_against_oracle(case, num_splits=0):
+def test_kvcache_against_oracle(case, num_splits=0, nan_outside=False):
     b, sq, h, hk, d, s, s_new, causal, window, cap, alibi, leftpad, bidx, rot = case
     g = torch.Generator(device=DEVICE).manual_seed(7)
     bc = b + 2 if bidx else b
@@ -63,6 +63,12 @@ def test_kvcache_against_oracle(case, num_splits=0):
         rotary = (theta.cos(), theta.sin(), rot[1])
         kw = dict(rotary_cos=rotary[0], rotary_sin=rotary[1], rotary_interleaved=rot[1])
     slopes = torch.rand(h, generator=g, device=DEVICE) if alibi else None
+    if nan_outside:  # rows no sequence uses (past its keys, before its leftpad) hold NaN
+        for i in range(b):
+            c, end = int(batch_idx[i]), int(seqlens[i]) + s_new
+            for cache in (k_cache, v_cache):
+                cache[c, end:] = float("nan")
+                cache[c, :0 if lp is None else int(lp[i])] = float("nan")
     refs = [kvcache_ref(q, k_cache, v_cache, k, v, seqlens, batch_idx, lp, rotary, causal,
                         window, cap, slopes, upcast=up) for up in (True, False)]
     poison_allocator()
@@ -72,8 +78,9 @@ def test_kvcache_against_oracle(case, num_splits=0):
         window_size=window, softcap=cap, alibi_slopes=slopes, return_softmax_lse=True,
         num_splits=num_splits, **kw)
     (want, want_lse, want_k, want_v), (low, low_lse, _, _) = refs
-    torch.testing.assert_close(k_cache, want_k, rtol=2 ** -7, atol=0)  # rotated: fp32 rounding
-    assert torch.equal(v_cache, want_v)
+    # rotated: fp32 rounding
+    torch.testing.assert_close(k_cache, want_k, rtol=2 ** -7, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0, equal_nan=True)
     check_close(out, want, low, name="out")
     check_close(lse, want_lse, low_lse, name="lse")
 
@@ -83,6 +90,16 @@ def test_kvcache_forced_splits(num_splits):
     """Non-causal queries of a chunked prefill over forced key chunks (split-KV's merge)."""
     test_kvcache_against_oracle((3, 9, 8, 2, 128, 1500, 9, False, (-1, -1), 0.0, False, False,
                                  True, (32, False)), num_splits)
+
+
+@pytest.mark.parametrize("case", [CASES[i] for i in (0, 1, 3, 7, 9)], ids=case_id)
+def test_kvcache_unused_rows_hold_nan(case):
+    """Cache rows outside every sequence's keys hold NaN (a cache from torch.empty): the
+    kernel loads some of them in a sequence's ragged last key block, and a masked key's
+    P = 0 must not meet its NaN in P V."""
+    test_kvcache_against_oracle(case, nan_outside=True)
+    splittable = case[1] == 1 and case[8] == (-1, -1) and not case[10]
+    test_kvcache_against_oracle(case, num_splits=5 if splittable else 0, nan_outside=True)
 
 
 def test_decode_lengths_do_not_recompile():
