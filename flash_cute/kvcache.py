@@ -62,8 +62,9 @@ def _lengths(name, value, batch, device, s_cache):
     return value.to(torch.int32).contiguous()
 
 
-def _check_cache(q, k_cache, v_cache, k, v, cache_batch_idx):
-    """Ranks, shapes, dtypes and devices of the caches and the new tokens against q."""
+def _check_cache(q, k_cache, v_cache, k, v, cache_batch_idx, paged=False):
+    """Ranks, shapes, dtypes and devices of the caches and the new tokens against q (paged:
+    the caches' first dims are (pages, page_size))."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         validation.check_tensor(name, t)
         if t.dim() != 4:
@@ -86,7 +87,7 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_batch_idx):
     if d not in validation.SUPPORTED_HEAD_DIMS:
         raise NotImplementedError(f"head dim {d} is not supported; supported head dims: "
                                   f"{', '.join(map(str, validation.SUPPORTED_HEAD_DIMS))}")
-    if cache_batch_idx is None and bc < b:
+    if cache_batch_idx is None and bc < b and not paged:
         raise ValueError(f"k_cache has batch {bc} < q's batch {b} (and no cache_batch_idx)")
     if (k is None) != (v is None):
         raise ValueError("k and v (the new tokens) must be given together")
@@ -108,6 +109,38 @@ def _check_cache(q, k_cache, v_cache, k, v, cache_batch_idx):
             raise ValueError(f"cache_batch_idx must be an int32 / int64 tensor of shape "
                              f"({b},), got {cache_batch_idx.dtype} {tuple(cache_batch_idx.shape)}")
         validation.check_device("cache_batch_idx", cache_batch_idx, q.device, require_cuda=False)
+
+
+def _check_block_table(block_table, b, k_cache, device, cache_batch_idx, cache_leftpad):
+    """A paged cache: page j of sequence i is k_cache[block_table[i, j]] (FA2's layout)."""
+    validation.check_tensor("block_table", block_table)
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or \
+            block_table.shape[0] != b or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must be an int32 tensor of shape (batch, max_pages) = "
+                         f"({b}, >= 1), got {block_table.dtype} {tuple(block_table.shape)}")
+    validation.check_device("block_table", block_table, device, require_cuda=False)
+    if k_cache.shape[0] == 0 or k_cache.shape[1] == 0:
+        raise ValueError(f"a paged k_cache needs pages of >= 1 row, got shape "
+                         f"{tuple(k_cache.shape)}")
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is not None:
+            raise NotImplementedError(f"flash_cute: {name} together with block_table is not "
+                                      "supported (as in FA2)")
+
+
+def _paged_append(cache, new, block_table, pos):
+    """Write new (b, s_new, hk, d) at logical rows pos (b, s_new) of each sequence's pages."""
+    page = cache.shape[1]
+    pages = block_table.gather(1, torch.div(pos, page, rounding_mode="floor")).long()
+    cache[pages, pos % page] = new
+
+
+def _gather_pages(cache, block_table):
+    """A paged cache as contiguous (b, max_pages * page_size, hk, d) caches (a copy). Table
+    entries past a sequence's pages may hold anything: clamped into range, their rows lie
+    past the sequence's keys, which the kernel never lets count."""
+    idx = block_table.long().clamp_(0, cache.shape[0] - 1)
+    return cache[idx].flatten(1, 2)
 
 
 def _rotate(x, cos, sin, pos, interleaved):
@@ -297,15 +330,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     a call's tiles would leave most SMs idle over >= 96k keys (SPLIT_AUTO_MIN_KEYS: the
     split costs host time; under CUDA graphs ask for it), 1 never splits; splitting needs
     position-free scores (one query row or non-causal, no window, no ALiBi: num_splits > 1
-    otherwise raises NotImplementedError, 0 runs unsplit). block_table (paged caches) raises
-    NotImplementedError.
+    otherwise raises NotImplementedError, 0 runs unsplit).
+    block_table (b, max_pages) int32: paged caches, k_cache / v_cache (num_pages, page_size,
+    hk, d), page j of sequence i at k_cache[block_table[i, j]] (any page size; not with
+    cache_batch_idx or cache_leftpad). New tokens go into the pages in place; the attention
+    then reads a gathered copy of each sequence's pages (not yet TMA loads per page).
     validate_cache_seqlens=True (or FLASH_CUTE_DEBUG=1) checks that the lengths fit the cache
     (cache_leftpad <= cache_seqlens, cache_seqlens + s_new <= s_cache) at the cost of a sync;
     an int cache_seqlens is always checked.
     """
-    if block_table is not None:
-        raise NotImplementedError("flash_cute: block_table (a paged KV cache) is not supported; "
-                                  "pass contiguous caches")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or \
             num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
@@ -314,7 +347,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (batch, seqlen_q, nheads, headdim), got shape "
                          f"{tuple(q.shape)}")
-    _check_cache(q, k_cache, v_cache, k, v, cache_batch_idx)
+    paged = block_table is not None
+    _check_cache(q, k_cache, v_cache, k, v, cache_batch_idx, paged)
+    if paged:
+        _check_block_table(block_table, q.shape[0], k_cache, q.device, cache_batch_idx,
+                           cache_leftpad)
     _check_rotary(rotary_cos, rotary_sin, q, cache_leftpad, rotary_interleaved)
     window_size = validation.check_window_size(window_size)
     causal = validation.check_flag("causal", causal)
@@ -327,7 +364,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softmax_scale = validation.check_softmax_scale(softmax_scale, d)
     softcap = validation.check_softcap(softcap)
     validation.check_alibi_slopes(alibi_slopes, b, h, q.device)
-    s_cache, hk = k_cache.shape[1], k_cache.shape[2]
+    # A paged cache's sequences hold up to max_pages * page_size rows.
+    s_cache = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+    hk = k_cache.shape[2]
     dev = q.device
     seqlens = _lengths("cache_seqlens", s_cache if cache_seqlens is None else cache_seqlens, b,
                        dev, s_cache)
@@ -360,10 +399,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             pos = (seqlens[:, None] + torch.arange(s_new, device=dev, dtype=torch.int32)).long()
             if rotary_cos is not None:
                 k = _rotate(k, rotary_cos, rotary_sin, pos, rotary_interleaved)
-            rows = (torch.arange(b, device=dev) if cache_batch_idx is None
-                    else cache_batch_idx.long())[:, None]
-            k_cache[rows, pos] = k  # FA2 updates the caller's cache in place
-            v_cache[rows, pos] = v
+            if paged:  # FA2 updates the caller's cache in place
+                _paged_append(k_cache, k, block_table, pos)
+                _paged_append(v_cache, v, block_table, pos)
+            else:
+                rows = (torch.arange(b, device=dev) if cache_batch_idx is None
+                        else cache_batch_idx.long())[:, None]
+                k_cache[rows, pos] = k
+                v_cache[rows, pos] = v
+        if paged:  # a copy: the kernel does not read pages itself yet
+            k_cache, v_cache = _gather_pages(k_cache, block_table), _gather_pages(v_cache,
+                                                                                 block_table)
         if cache_batch_idx is not None:
             k_cache = k_cache.index_select(0, cache_batch_idx.long())
             v_cache = v_cache.index_select(0, cache_batch_idx.long())

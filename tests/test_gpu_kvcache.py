@@ -12,7 +12,7 @@ from flash_cute import flash_attn_with_kvcache
 from flash_cute.reference import check_close
 from gpu_support import (DEVICE, ON_CPU, _cpu_standin,  # noqa: F401 (autouse)
                          gpu_module_marks, poison_allocator, rand)
-from test_kvcache import kvcache_ref
+from test_kvcache import kvcache_ref, paged_copy
 
 pytestmark = gpu_module_marks()
 
@@ -100,6 +100,26 @@ def test_kvcache_unused_rows_hold_nan(case):
     test_kvcache_against_oracle(case, nan_outside=True)
     splittable = case[1] == 1 and case[8] == (-1, -1) and not case[10]
     test_kvcache_against_oracle(case, num_splits=5 if splittable else 0, nan_outside=True)
+
+
+@pytest.mark.parametrize("page,splits", [(256, 0), (16, 3), (1000, 1)])
+def test_paged_cache_equals_contiguous(page, splits):
+    """block_table over a shuffled pool of pages (garbage table entries past the used pages):
+    bitwise the contiguous call's outputs, new tokens written into their pages."""
+    b, h, hk, d, pages = 3, 16, 4, 128, 4
+    s, gen = page * pages, torch.Generator(device=DEVICE).manual_seed(page)
+    q, k, v = rand(b, 1, h, d, seed=1), rand(b, 1, hk, d, seed=2), rand(b, 1, hk, d, seed=3)
+    k_cache, v_cache = rand(b, s, hk, d, seed=4), rand(b, s, hk, d, seed=5)
+    seqlens = torch.tensor([s - 1, 0, s // 2], dtype=torch.int32, device=DEVICE)
+    (k_pool, v_pool), table = paged_copy((k_cache, v_cache), page, 3, gen)
+    table[1, 1:] = -7  # past sequence 1's only page
+    kw = dict(cache_seqlens=seqlens, causal=True, return_softmax_lse=True, num_splits=splits)
+    want, want_lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
+    poison_allocator()
+    out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, block_table=table, **kw)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    for i, n in enumerate(seqlens.tolist()):
+        assert torch.equal(k_pool[table[i, n // page]][n % page], k[i, 0])
 
 
 def test_decode_lengths_do_not_recompile():

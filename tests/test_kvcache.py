@@ -134,6 +134,59 @@ def test_kvcache_matches_per_sequence_reference(standin, c):
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
+def paged_copy(caches, page, spare, gen):
+    """Contiguous caches (b, s, hk, d), s a multiple of ``page``, as a pool of pages in random
+    order with ``spare`` unused pages, and the block table; past each sequence's used pages
+    (``used_pages``, set later by the caller) the table may hold anything."""
+    b, s = caches[0].shape[:2]
+    n = s // page
+    dev = caches[0].device
+    perm = torch.randperm(b * n + spare, generator=gen, device=dev)
+    table = perm[:b * n].view(b, n).int()
+    pools = []
+    for c in caches:
+        pool = torch.randn(b * n + spare, page, *c.shape[2:], generator=gen,
+                           device=dev).to(c.dtype)
+        pool[table.flatten().long()] = c.reshape(b * n, page, *c.shape[2:])
+        pools.append(pool)
+    return pools, table
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # stateless use
+@given(b=st.integers(1, 3), page=st.sampled_from([1, 3, 8]), pages=st.integers(1, 4),
+       s_new=st.sampled_from([0, 1, 2]), sq=st.sampled_from([1, 3]), causal=st.booleans(),
+       splits=st.sampled_from([0, 2]), seed=st.integers(0, 2 ** 16))
+def test_paged_cache_matches_contiguous(standin, b, page, pages, s_new, sq, causal, splits,
+                                        seed):
+    """block_table: the same outputs as the contiguous caches the pages spell out, the new
+    tokens written into their pages in place, table entries past the used pages ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    h, hk, d, s = 4, 2, 64, page * pages
+    s_new = min(s_new, s)
+    q = rand(b, sq, h, d, gen=gen)
+    k_cache, v_cache = rand(b, s, hk, d, gen=gen), rand(b, s, hk, d, gen=gen)
+    k = v = None
+    if s_new:
+        k, v = rand(b, s_new, hk, d, gen=gen), rand(b, s_new, hk, d, gen=gen)
+    seqlens = torch.randint(0, s - s_new + 1, (b,), generator=gen, dtype=torch.int32)
+    (k_pool, v_pool), table = paged_copy((k_cache, v_cache), page, 2, gen)
+    used_pages = (seqlens + s_new + page - 1) // page
+    junk = torch.arange(pages)[None] >= used_pages[:, None]
+    table[junk] = torch.randint(-5, 10 ** 6, (int(junk.sum()),), generator=gen,
+                                dtype=torch.int32)
+    splits = splits if sq == 1 or not causal else 0
+    kw = dict(cache_seqlens=seqlens, causal=causal, return_softmax_lse=True, num_splits=splits)
+    want, want_lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
+    out, lse = flash_cute.flash_attn_with_kvcache(q, k_pool, v_pool, k, v, block_table=table,
+                                                  **kw)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    for pool, cache in ((k_pool, k_cache), (v_pool, v_cache)):
+        for i in range(b):
+            for j in range(int(used_pages[i])):
+                assert torch.equal(pool[table[i, j]], cache[i, j * page:(j + 1) * page])
+
+
 @pytest.mark.parametrize("causal,sq", [(True, 1), (False, 4)])
 @pytest.mark.parametrize("gqa", [False, True])
 def test_split_kv_chunks_and_merge(standin, causal, sq, gqa):
@@ -227,8 +280,15 @@ def _args(**over):
 
 
 @pytest.mark.parametrize("over,exc,match", [
-    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError,
-     "block_table"),
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int64)), ValueError, "block_table"),
+    (dict(block_table=torch.zeros(3, 1, dtype=torch.int32)), ValueError, "block_table"),
+    (dict(block_table=torch.zeros(2, 0, dtype=torch.int32)), ValueError, "block_table"),
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32),
+          cache_batch_idx=torch.zeros(2, dtype=torch.int32)), NotImplementedError,
+     "cache_batch_idx together with block_table"),
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32),
+          cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError,
+     "cache_leftpad together with block_table"),
     (dict(num_splits=-1), ValueError, "num_splits"),
     (dict(k=torch.zeros(2, 1, 2, 64, dtype=BF16)), ValueError, "together"),
     (dict(k=torch.zeros(2, 1, 2, 64, dtype=BF16), v=torch.zeros(2, 1, 2, 64, dtype=BF16),
