@@ -233,7 +233,7 @@ def run(compiled, q, k, v, tile_m, section=None, ctas=None, dynamic=False, causa
     compiled(q, k, v, out, lse, q.shape[-1] ** -0.5 * math.log2(math.e), *sections,
              *dispatch.NO_VARLEN, ctas,
              dispatch.tile_counter(q.device) if dynamic else None, *dispatch.NO_SPLIT,
-             *dispatch.NO_WINDOW)
+             *dispatch.NO_WINDOW, dispatch.NO_SOFTCAP, None, *dispatch.NO_PAGED)
     return out
 
 

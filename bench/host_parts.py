@@ -44,7 +44,8 @@ def parts(d, s, causal):
 
     def launch():
         kernel(q, k, v, out, lse, scale2, *sections, *dispatch.NO_VARLEN, ctas, counter,
-               *dispatch.NO_SPLIT, *dispatch.NO_WINDOW)
+               *dispatch.NO_SPLIT, *dispatch.NO_WINDOW, dispatch.NO_SOFTCAP, None,
+               *dispatch.NO_PAGED)
 
     ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
     out_g = flash_attn_func(ql, kl, vl, causal=causal)

@@ -79,6 +79,23 @@ NO_SPLIT = (None,) * 3
 NO_WINDOW = (None,) * 2
 # A softcap kernel's softcap_scale for every launch without softcapping.
 NO_SOFTCAP = None
+# A paged kernel's block table and log2 of its tile_n-row blocks per page (FlashFwdSm90's
+# last two arguments).
+NO_PAGED = (None,) * 2
+# Paged caches are read in place (a TMA per key block) where a page holds 2^n whole key
+# blocks of the paged kernels' PAGED_TILE_N rows; other page sizes and head dims gather the
+# pages first.
+PAGED_TILE_N = 128
+PAGED_HEAD_DIMS = (64, 96, 128)
+
+
+def paged_in_place(d: int, page_size: int) -> bool:
+    """Whether the varlen forward reads a paged cache of this head dim and page size in place:
+    pages of PAGED_TILE_N times a power of two rows (else the caller gathers its pages:
+    kvcache.py)."""
+    blocks = page_size // PAGED_TILE_N
+    return (d in PAGED_HEAD_DIMS and page_size % PAGED_TILE_N == 0
+            and blocks & (blocks - 1) == 0)
 LOG2E = math.log2(math.e)
 # An unbounded window side becomes a bound past every key; capped so that the kernels'
 # row + seqlen_k - seqlen_q + bound stays inside int32.
@@ -144,7 +161,7 @@ def _fake_args(dtype_name: str, d: int, varlen: bool = False):
 
 def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                  keep_cubin: bool = False, local: bool = False, softcap: bool = False,
-                 alibi: bool = False, **cfg_overrides):
+                 alibi: bool = False, paged: bool = False, **cfg_overrides):
     """Compile one forward variant as a TVM-FFI function: it takes torch tensors directly and
     launches on torch's current stream, with the argument checks done in C++ (the generic
     Python argument path of the DSL cost ~200 us per call, more than a short kernel)."""
@@ -156,13 +173,13 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
         raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen, local, softcap,
-                          alibi)
+                          alibi, paged)
     return compile_kernel(kernel, fwd_compile_args(dtype_name, cfg, varlen, local, softcap,
-                                                   alibi), keep_cubin)
+                                                   alibi, paged), keep_cubin)
 
 
 def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool, local: bool = False,
-                     softcap: bool = False, alibi: bool = False):
+                     softcap: bool = False, alibi: bool = False, paged: bool = False):
     """The forward's arguments at compile time (fake tensors, runtime scalars), in the order
     of FlashFwdSm90.__call__ less its stream; a launch passes None exactly where these are None
     (tests/test_launch_args.py checks the launches against the compiles)."""
@@ -178,7 +195,16 @@ def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool, local: b
     window = (cutlass.Int32(0), cutlass.Int32(0)) if local else NO_WINDOW
     return (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter, *split,
             *window, cutlass.Float32(1.0) if softcap else NO_SOFTCAP,
-            fake_slopes() if alibi else None)
+            fake_slopes() if alibi else None,
+            *((_fake_block_table(), cutlass.Int32(1)) if paged else NO_PAGED))
+
+
+def _fake_block_table():
+    """A paged call's block table: int32 (batch, max_pages), any row stride."""
+    import cutlass
+    import cutlass.cute as cute
+    return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
+                                         (cute.sym_int64(), 1), assumed_align=4)
 
 
 def fake_slopes():
@@ -246,19 +272,21 @@ def compile_kernel(fn, args, keep=False):
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                    persistent: bool = False, dynamic: bool = False, narrow: bool = False,
                    own_o: bool = False, split: bool = False, local: bool = False,
-                   softcap: bool = False, alibi: bool = False):
+                   softcap: bool = False, alibi: bool = False, paged: bool = False):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
     own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail; local: a sliding
     window (causal kernels; window_bounds); softcap: scores capped by tanh (softmax_scales);
-    alibi: ALiBi's distance bias (alibi_slopes2d)."""
-    flags = kernel_flags(persistent, dynamic, narrow, own_o, split, local, softcap, alibi)
+    alibi: ALiBi's distance bias (alibi_slopes2d); paged: K / V read through a block table
+    (varlen, PAGED_HEAD_DIMS)."""
+    flags = kernel_flags(persistent, dynamic, narrow, own_o, split, local, softcap, alibi,
+                         paged)
     env = fwd_env_overrides()
     key = ("fwd", arch, dtype_name, d, causal, varlen) + flags + env
     with _cache_lock:
         if key not in _cache:
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, local=local,
-                                       softcap=softcap, alibi=alibi,
+                                       softcap=softcap, alibi=alibi, paged=paged,
                                        **{**kernel_overrides(d, causal, varlen, flags),
                                           **dict(env)})
         return _cache[key]
@@ -280,12 +308,13 @@ def fwd_env_overrides() -> tuple:
 
 
 def kernel_flags(persistent, dynamic, narrow, own_o, split, local=False, softcap=False,
-                 alibi=False) -> tuple:
+                 alibi=False, paged=False) -> tuple:
     """get_fwd_kernel's flags that are on, in its key's order (own_o: persistent only)."""
     return ((("persistent",) if persistent else ()) + (("dynamic",) if dynamic else ())
             + (("narrow",) if narrow else ()) + (("own_o",) if own_o and persistent else ())
             + (("split",) if split else ()) + (("local",) if local else ())
-            + (("softcap",) if softcap else ()) + (("alibi",) if alibi else ()))
+            + (("softcap",) if softcap else ()) + (("alibi",) if alibi else ())
+            + (("paged",) if paged else ()))
 
 
 def kernel_overrides(d: int, causal: bool, varlen: bool, flags: tuple) -> dict:
@@ -299,6 +328,8 @@ def kernel_overrides(d: int, causal: bool, varlen: bool, flags: tuple) -> dict:
     for flag, table in (("softcap", SOFTCAP_FWD_OVERRIDES), ("alibi", ALIBI_FWD_OVERRIDES)):
         if on.get(flag):
             out.update(table.get((d, varlen, on.get("narrow", False)), {}))
+    if on.get("paged"):  # whole key blocks per page (paged_in_place)
+        out["tile_n"] = PAGED_TILE_N
     return out
 
 
@@ -426,11 +457,14 @@ def _device_arch(device: torch.device) -> str:
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool,
         window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-        seqused_q=None, seqused_k=None):
+        seqused_q=None, seqused_k=None, block_table=None):
     """Forward attention. Returns ``(out, lse)``.
 
     Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse fp32 (b, h, sq).
     Varlen: q (total_q, h, d) with cu_seqlens_* -> out like q, lse fp32 (h, total_q).
+    Paged varlen (block_table int32 (b, max_pages), paged_in_place): k/v are pools of pages
+    (pages, page_size, hk, d), sequence b's keys its pages' first seqused_k[b] rows
+    (seqused_k required; cu_seqlens_k is not read).
     """
     why = unsupported_fwd_option(dropout_p=dropout_p)
     if why is not None:
@@ -439,7 +473,9 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         return _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                            max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap,
-                           alibi_slopes=alibi_slopes)
+                           alibi_slopes=alibi_slopes, block_table=block_table)
+    if block_table is not None:
+        raise ValueError("block_table: varlen calls only (cu_seqlens_q, seqused_k)")
     b, sq, h, d = q.shape
     sk = k.shape[1]
     causal, window = window_bounds(window_size, causal, sq, sk)
@@ -468,7 +504,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     scale_log2, softcap_scale = softmax_scales(softmax_scale, softcap)
     kernel(q.detach(), k.detach(), v.detach(), out, lse, scale_log2, *sections, *NO_VARLEN,
            plan.ctas, tile_counter(q.device) if plan.dynamic else None, *split,
-           *(window or NO_WINDOW), softcap_scale, alibi_slopes2d(alibi_slopes, b, h))
+           *(window or NO_WINDOW), softcap_scale, alibi_slopes2d(alibi_slopes, b, h),
+           *NO_PAGED)
     return out, lse
 
 
@@ -566,7 +603,7 @@ def tile_counter(device):
 
 def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                 max_seqlen_k, *, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None):
+                alibi_slopes=None, block_table=None):
     """Packed sequences: q (total_q, h, d), k/v (total_k, hk, d) -> out, lse (h, total_q).
 
     Rows of a sequence past seqused_q are not written by the kernel (FlashAttention leaves them
@@ -584,6 +621,14 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     if total_q == 0 or k.shape[0] == 0:  # nothing to compute, or no keys anywhere (a TMA
         return out, lse                  # descriptor needs a non-empty K): out 0, lse -inf
+    paged = NO_PAGED
+    if block_table is not None:
+        if seqused_k is None or not paged_in_place(d, k.shape[1]):
+            raise ValueError(f"block_table needs seqused_k and pages of {PAGED_TILE_N} x 2^n "
+                             f"rows at head dims {PAGED_HEAD_DIMS}, got page size "
+                             f"{k.shape[1]}, head dim {d}")
+        paged = (block_table, (k.shape[1] // PAGED_TILE_N).bit_length() - 1)
+        k, v = k.flatten(0, 1), v.flatten(0, 1)  # the pools' rows, PAGED_TILE_N per block
     arch = _device_arch(q.device)
     causal, window = window_bounds(window_size, causal, max_seqlen_q, max_seqlen_k)
     walks = _varlen_persistent_ctas(q.device, d, causal, total_q, batch, h)
@@ -591,7 +636,8 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     kernel = get_fwd_kernel(arch, _TORCH_TO_CUTLASS[q.dtype], d, bool(causal), varlen=True,
                             persistent=ctas is not None, dynamic=dynamic,
                             own_o=fwd_own_o(d, causal, max_seqlen_k), local=window is not None,
-                            softcap=softcap > 0, alibi=alibi_slopes is not None)
+                            softcap=softcap > 0, alibi=alibi_slopes is not None,
+                            paged=block_table is not None)
     # cu_seqlens[b + 1] >= cu_seqlens[b + 1] - cu_seqlens[b]: as seqused it changes nothing.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
@@ -603,7 +649,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     kernel(q.detach(), k.detach(), v.detach(), out, lse, scale_log2, section, None,
            cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
            tile_counter(q.device) if dynamic else None, *NO_SPLIT, *(window or NO_WINDOW),
-           softcap_scale, alibi_slopes2d(alibi_slopes, batch, h))
+           softcap_scale, alibi_slopes2d(alibi_slopes, batch, h), *paged)
     return out, lse
 
 

@@ -264,7 +264,11 @@ def _attend(qp, kp, vp, cu_q, cu_k, max_q, max_k, used, opts):
             qp, kp, vp, cu_q, cu_k, max_q, max_k, return_attn_probs=True, seqused_k=used,
             **opts)
         return out, lse
-    validation.check_qkv(qp, kp, vp, varlen=True, require_cuda=interface._REQUIRE_CUDA)
+    if kp.dim() == 4:  # a paged cache's pools (opts["block_table"]): their rows
+        validation.check_qkv(qp, kp.flatten(0, 1), vp.flatten(0, 1), varlen=True,
+                             require_cuda=interface._REQUIRE_CUDA)
+    else:
+        validation.check_qkv(qp, kp, vp, varlen=True, require_cuda=interface._REQUIRE_CUDA)
     return dispatch.fwd(qp, kp, vp, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                         max_seqlen_k=max_k, seqused_k=used, **opts)
 
@@ -277,8 +281,16 @@ def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts):
     """The varlen forward over ``splits`` key chunks of each sequence (chunk j: its keys from
     j * chunk on, as a sequence of its own with the same query rows), the chunks then merged
     by their LSEs in fp32. Returns (out, lse) as the unsplit call would."""
-    chunk = _ceil_div(_ceil_div(s_cache, splits), SPLIT_KEY_ALIGN) * SPLIT_KEY_ALIGN
+    table = opts.get("block_table")
+    # Chunks of whole key blocks; read in place from pages, of whole pages (then a chunk's
+    # pages are a slice of its sequence's table row).
+    align = SPLIT_KEY_ALIGN if table is None else kp.shape[1]
+    chunk = _ceil_div(_ceil_div(s_cache, splits), align) * align
     splits = _ceil_div(s_cache, chunk)
+    if table is not None:
+        per = chunk // align
+        table = torch.nn.functional.pad(table, (0, splits * per - table.shape[1]))
+        opts = {**opts, "block_table": table.view(b * splits, per)}
     dev, heads, d = qp.device, qp.shape[1], qp.shape[2]
     cu, starts = _chunk_bounds(b, s_cache, chunk, splits, dev)
     if leftpad is not None:  # chunk j of cache i from leftpad[i] + j * chunk (inside the cache)
@@ -333,8 +345,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     otherwise raises NotImplementedError, 0 runs unsplit).
     block_table (b, max_pages) int32: paged caches, k_cache / v_cache (num_pages, page_size,
     hk, d), page j of sequence i at k_cache[block_table[i, j]] (any page size; not with
-    cache_batch_idx or cache_leftpad). New tokens go into the pages in place; the attention
-    then reads a gathered copy of each sequence's pages (not yet TMA loads per page).
+    cache_batch_idx or cache_leftpad). New tokens go into the pages in place. Pages of
+    128 x 2^n rows at head dims 64 / 96 / 128 are read in place (dispatch.paged_in_place);
+    other page sizes and head dims, and traced calls, read a gathered copy of each
+    sequence's pages.
     validate_cache_seqlens=True (or FLASH_CUTE_DEBUG=1) checks that the lengths fit the cache
     (cache_leftpad <= cache_seqlens, cache_seqlens + s_new <= s_cache) at the cost of a sync;
     an int cache_seqlens is always checked.
@@ -407,7 +421,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                         else cache_batch_idx.long())[:, None]
                 k_cache[rows, pos] = k
                 v_cache[rows, pos] = v
-        if paged:  # a copy: the kernel does not read pages itself yet
+        in_place = paged and dispatch.paged_in_place(d, k_cache.shape[1]) and \
+            not use_custom_ops()
+        if paged and not in_place:  # other page sizes and head dims: a copy
             k_cache, v_cache = _gather_pages(k_cache, block_table), _gather_pages(v_cache,
                                                                                  block_table)
         if cache_batch_idx is not None:
@@ -421,7 +437,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             cu_k = cu_k.clone()
             cu_k[:b] += leftpad
             used = (used - leftpad).clamp_(min=0)
-        kp, vp = k_cache[:b].flatten(0, 1), v_cache[:b].flatten(0, 1)
+        if in_place:  # the pools as they are, the table says where each block lies
+            kp, vp = k_cache, v_cache
+        else:
+            kp, vp = k_cache[:b].flatten(0, 1), v_cache[:b].flatten(0, 1)
 
         g = h // hk
         pack = (sq <= PACK_GQA_MAX_SEQLEN_Q and g > 1 and window_size == (-1, -1)
@@ -430,7 +449,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         qp = q.reshape(b, sq, hk, g, d).transpose(2, 3) if pack else q
         qp = qp.reshape(b * rows_q, heads_q, d)
         opts = dict(softmax_scale=softmax_scale, causal=causal and not pack,
-                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                    **({"block_table": block_table} if in_place else {}))
         splits = _num_splits(num_splits if splittable else 1,
                              b * heads_q * _ceil_div(rows_q, ROW_TILE), s_cache, dev)
         if splits > 1:

@@ -98,7 +98,7 @@ def _lengths(seqused, default, b, device):
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                   alibi_slopes=None, sink=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  seqused_q=None, seqused_k=None, upcast=True):
+                  seqused_q=None, seqused_k=None, block_table=None, upcast=True):
     """Reference attention. Returns ``(out, lse)``.
 
     Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out (b, sq, h, d), lse fp32 (b, h, sq).
@@ -111,6 +111,10 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
     upcast=True computes in fp32 (the oracle). upcast=False runs both matmuls in the input dtype
     with the softmax in fp32 (a plain same-dtype implementation): its distance from the oracle is
     the baseline error of ``check_close``.
+
+    block_table (varlen, with seqused_k): k/v are pools of pages (pages, page_size, hk, d);
+    sequence b's keys are the first seqused_k[b] rows of pages block_table[b, 0], [b, 1], ...
+    (cu_seqlens_k is not read).
 
     sink: (h,) fp32 logit per head, an extra softmax column with no value vector. A row with no
     allowed key then gives out 0 and lse = sink (the sink still counts); unused rows stay -inf.
@@ -146,8 +150,12 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
         slopes = alibi_slopes
         if alibi_slopes is not None and alibi_slopes.dim() == 2:
             slopes = alibi_slopes[i]
+        k_i, v_i = k[k0:k1], v[k0:k1]
+        if block_table is not None:
+            pages = block_table[i, :-(-used_k // k.shape[1])].long()
+            k_i, v_i = k[pages].flatten(0, 1)[:used_k], v[pages].flatten(0, 1)[:used_k]
         o_i, lse_i = _attention_batched(
-            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], alibi_slopes=slopes,
+            q[None, q0:q1], k_i[None], v_i[None], alibi_slopes=slopes,
             len_q=torch.tensor([used_q], device=q.device),
             len_k=torch.tensor([used_k], device=q.device), **opts)
         out[q0:q1] = o_i[0]

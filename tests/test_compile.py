@@ -13,7 +13,7 @@ from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_opc
 
 from flash_cute import dispatch
 from flash_cute.config import (OWN_O_HEAD_DIMS, PERSISTENT_FWD, FwdSm90Config, fwd_overrides,
-                               persistent_fwd_overrides)
+                               fwd_own_o, persistent_fwd_overrides)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -343,3 +343,31 @@ def test_combine_splits_compiles(dtype, d, tmp_path, monkeypatch):
                        tmp_path)
     assert ops.get("LDG.E", 0) > 0 and ops.get("STG.E", 0) >= 2, ops
     assert not ops.get("STL") and not ops.get("LDL"), ops
+
+
+# Paged varlen kernels (FlashFwdSm90 paged: a block table maps key blocks to pool blocks):
+# each head dim / mask / own_o the varlen launch picks, and a few score modifications.
+PAGED = (sorted({(d, c, (), fwd_own_o(d, c, sk)) for d in dispatch.PAGED_HEAD_DIMS
+                 for c in (False, True) for sk in (1000, 100000)})
+         + [(128, True, ("local",), True), (128, False, ("softcap",), True),
+            (64, True, ("alibi",), True)])
+# The load warp (24 registers) holds the table row beside its walk: d=96 causal spills one
+# word per tile there (an STL before the walk, an LDL per tile), d=64 causal with ALiBi one.
+PAGED_SPILLS = {(96, True, ()): 2, (64, True, ("alibi",)): 1}
+
+
+@pytest.mark.parametrize("d,causal,mods,own_o", PAGED, ids=lambda v: str(v))
+def test_fwd_paged_variant_compiles(d, causal, mods, own_o, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ctas, dynamic = dispatch._varlen_persistent_ctas(None, d, causal, 16384, 8, 16, 132) \
+        or (None, False)
+    flags = dispatch.kernel_flags(ctas is not None, dynamic, False, own_o, False,
+                                  **{m: True for m in mods}, paged=True)
+    overrides = dispatch.kernel_overrides(d, causal, True, flags)
+    assert overrides["tile_n"] == dispatch.PAGED_TILE_N
+    ops = sass_opcodes(dispatch._compile_fwd(ARCH, "BFloat16", d, causal, True, keep_cubin=True,
+                                             paged=True, **{m: True for m in mods},
+                                             **overrides).__cubin__, tmp_path)
+    assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0, ops
+    assert ops.get("STL", 0) <= PAGED_SPILLS.get((d, causal, mods), 0), ops.get("STL")
+    assert_wgmma_not_serialized(ops)

@@ -102,10 +102,12 @@ def test_kvcache_unused_rows_hold_nan(case):
     test_kvcache_against_oracle(case, num_splits=5 if splittable else 0, nan_outside=True)
 
 
-@pytest.mark.parametrize("page,splits", [(256, 0), (16, 3), (1000, 1)])
+@pytest.mark.parametrize("page,splits", [(256, 0), (512, 4), (128, 1), (16, 3), (1000, 1)])
 def test_paged_cache_equals_contiguous(page, splits):
     """block_table over a shuffled pool of pages (garbage table entries past the used pages):
-    bitwise the contiguous call's outputs, new tokens written into their pages."""
+    the contiguous call's outputs, new tokens written into their pages. Pages of 128 x 2^n
+    rows are read in place by the paged kernel (128-key blocks where the contiguous call
+    may take 176: sums in another order), the others gathered (bitwise)."""
     b, h, hk, d, pages = 3, 16, 4, 128, 4
     s, gen = page * pages, torch.Generator(device=DEVICE).manual_seed(page)
     q, k, v = rand(b, 1, h, d, seed=1), rand(b, 1, hk, d, seed=2), rand(b, 1, hk, d, seed=3)
@@ -117,7 +119,11 @@ def test_paged_cache_equals_contiguous(page, splits):
     want, want_lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
     poison_allocator()
     out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, block_table=table, **kw)
-    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    if page % 128:
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    else:
+        torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -7)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     for i, n in enumerate(seqlens.tolist()):
         assert torch.equal(k_pool[table[i, n // page]][n % page], k[i, 0])
 

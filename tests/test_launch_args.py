@@ -97,8 +97,8 @@ def test_window_launches_match_compile(launched, monkeypatch, d, window, walk):
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:  # the window, then softcap_scale and the slopes (None: neither)
-        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-4:-2])
-        assert launch.args[-2:] == (None, None)
+        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-6:-4])
+        assert launch.args[-4:] == (None,) * 4  # no paging either
 
 
 @pytest.mark.parametrize("walk,split", WALKS)
@@ -117,7 +117,7 @@ def test_softcap_launches_match_compile(launched, monkeypatch, d, window, walk, 
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:
-        assert launch.args[-2] == pytest.approx(0.1 / 20.0) and launch.args[-1] is None
+        assert launch.args[-4] == pytest.approx(0.1 / 20.0) and launch.args[-3] is None
         assert launch.args[5] == pytest.approx(20.0 * dispatch.LOG2E)
 
 
@@ -138,7 +138,7 @@ def test_alibi_launches_match_compile(launched, monkeypatch, d, slopes_2d, walk,
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:
-        got = launch.args[-1]
+        got = launch.args[-3]
         assert got.shape == (2, 4) and got.is_contiguous() and got.dtype == torch.float32
         assert torch.equal(got, slopes.expand(2, 4))
 
@@ -167,6 +167,24 @@ def test_varlen_launch_matches_compile(launched, monkeypatch, d, causal, walk, s
                  cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900, seqused_q=used,
                  seqused_k=used)
     assert len(launched) == 1
+
+
+@pytest.mark.parametrize("walk", ["0", "dyn:ctas=5", "auto"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,page", [(64, 128), (128, 512)])
+def test_paged_launch_matches_compile(launched, monkeypatch, d, page, causal, walk):
+    """A paged cache read in place: the block table and the page shift reach the kernel."""
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, walk)
+    q, k, v = _qkv((3, 4, d), (5, page, 2, d))
+    table = torch.tensor([[4, 0], [1, 3], [2, 2]], dtype=torch.int32)
+    used = torch.tensor([page + 7, 0, 2 * page], dtype=torch.int32)
+    cu = torch.arange(4, dtype=torch.int32)
+    dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal, cu_seqlens_q=cu,
+                 cu_seqlens_k=cu * 2 * page, max_seqlen_q=1, max_seqlen_k=2 * page,
+                 seqused_k=used, block_table=table)
+    assert len(launched) == 1 and launched[0].args[-2] is table
+    assert launched[0].args[-1] == (page // dispatch.PAGED_TILE_N).bit_length() - 1
+    assert launched[0].args[1].shape == (5 * page, 2, d)  # the pool's rows
 
 
 def test_split_tail_env_checked(launched, monkeypatch):

@@ -37,15 +37,20 @@ class SeqlenInfo:
 
     @staticmethod
     def create(batch: Int32, mQ: cute.Tensor, mK: cute.Tensor, mCuSeqlensQ=None,
-               mCuSeqlensK=None, mSeqUsedQ=None, mSeqUsedK=None, pad_tile_m=None):
+               mCuSeqlensK=None, mSeqUsedQ=None, mSeqUsedK=None, pad_tile_m=None,
+               paged: bool = False):
         """Batched: lengths from the shapes of mQ, mK. Varlen: from cu_seqlens/seqused; with
-        mCuSeqlensK None only the query side (seqlen_k 0); pad_tile_m: the padded-row tile."""
+        mCuSeqlensK None only the query side (seqlen_k 0); pad_tile_m: the padded-row tile.
+        paged: K/V are a pool of pages that a block table maps (kernels/sm90/fwd.py): the
+        sequence's key rows start at the pool's row 0 and seqused_k alone is its length."""
         if const_expr(mCuSeqlensQ is None):
             return SeqlenInfo(0, 0, mQ.shape[0], mK.shape[0], False)
         offset_q = mCuSeqlensQ[batch]
         seqlen_q = cutlass.min(mCuSeqlensQ[batch + 1] - offset_q, mSeqUsedQ[batch])
         offset_k, seqlen_k = Int32(0), Int32(0)
-        if const_expr(mCuSeqlensK is not None):
+        if const_expr(paged):
+            seqlen_k = mSeqUsedK[batch]
+        elif const_expr(mCuSeqlensK is not None):
             offset_k = mCuSeqlensK[batch]
             seqlen_k = cutlass.min(mCuSeqlensK[batch + 1] - offset_k, mSeqUsedK[batch])
         offset_q_pad = Int32(0)

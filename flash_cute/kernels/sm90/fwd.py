@@ -23,6 +23,9 @@ keys past seqlen_k are masked as for a ragged tail, V rows past it are zeroed in
 seqused_k), and Q rows past seqlen_q are never stored: O leaves through predicated 16-byte
 stores from sO instead of a TMA box that would overwrite the next sequence. A sequence with no
 keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = -inf.
+Paged (``paged``, varlen): K and V are pools of pages of tile_n << page_shift rows; the load
+warp reads each key block's page from the sequence's block-table row (kv_block) and loads
+the block from there, so a sequence's keys need not be contiguous (a KV cache in pages).
 
 Persistent (``cfg.persistent``; dispatch.py chooses it per call): the grid is min(tiles,
 SMs), and the load warp and every consumer warp walk the same tile sequence
@@ -162,13 +165,18 @@ class Barrier(enum.IntEnum):
 
 class FlashFwdSm90:
     def __init__(self, dtype, cfg: FwdSm90Config, causal: bool, varlen: bool = False,
-                 local: bool = False, softcap: bool = False, alibi: bool = False):
+                 local: bool = False, softcap: bool = False, alibi: bool = False,
+                 paged: bool = False):
         """``local``: sliding-window attention, a causal kernel whose diagonal and left edge
         come from the runtime window_left / window_right (block_info); its tiles are walked
         as causal ones are. ``softcap``: scores become tanh(s * softcap_scale) before the
         mask, the runtime softcap_scale being softmax_scale / softcap (and scale_log2
         softcap * log2(e): softmax.softcap_scores). ``alibi``: every block's scores less
-        slope * distance (mask.add_alibi), the slopes a runtime (batch, heads) tensor."""
+        slope * distance (mask.add_alibi), the slopes a runtime (batch, heads) tensor.
+        ``paged`` (varlen): K / V are pools of pages, key block n of sequence b at the pool's
+        block (table[b, n >> page_shift] << page_shift) + n % 2^page_shift (tile_n-row
+        blocks; pages of tile_n << page_shift rows: shifts keep the load warp's 24
+        registers unspilled), its length seqused_k[b]."""
         self.dtype = dtype
         self.cfg = cfg
         self.causal = causal
@@ -176,6 +184,9 @@ class FlashFwdSm90:
         self.local = local
         self.softcap = softcap
         self.alibi = alibi
+        self.paged = paged
+        if paged and not varlen:
+            raise ValueError("paged: a varlen kernel (the block table is per sequence)")
         if local and (not causal or cfg.halves_edge or cfg.split_tail):
             raise ValueError("local: a causal kernel without half_edge or split_tail")
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -203,7 +214,8 @@ class FlashFwdSm90:
                  tail_ctas: Optional[Int32], mPartial: Optional[cute.Tensor],
                  mTileFlags: Optional[cute.Tensor], window_left: Optional[Int32],
                  window_right: Optional[Int32], softcap_scale: Optional[Float32],
-                 mSlopes: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mSlopes: Optional[cute.Tensor], mBlockTable: Optional[cute.Tensor],
+                 page_shift: Optional[Int32], stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
@@ -218,7 +230,10 @@ class FlashFwdSm90:
         the tile's combiner (dispatch.split_workspace).
         window_left, window_right: local only (else None), the window's finite bounds
         (block_info). softcap_scale: softcap only (else None), softmax_scale / softcap.
-        mSlopes: alibi only (else None), fp32 (batch, heads): ALiBi's slopes as given."""
+        mSlopes: alibi only (else None), fp32 (batch, heads): ALiBi's slopes as given.
+        mBlockTable, page_shift: paged only (else None): int32 (batch, max_pages) pool pages
+        per sequence, and log2 of the tile_n-row blocks per page; mK / mV are then the pools as
+        (pages * page_size, hk, d), and mCuSeqlensK is not read."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -264,7 +279,7 @@ class FlashFwdSm90:
                     scale_log2, heads_per_section, tail_section, sQ_layout, sK_layout,
                     sV_layout, mma_qk, mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                     mTileCounter, tail_ctas, mPartial, mTileFlags, window_left,
-                    window_right, softcap_scale, mSlopes).launch(
+                    window_right, softcap_scale, mSlopes, mBlockTable, page_shift).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def make_mma_qk(self, cols: int) -> cute.TiledMma:
@@ -312,8 +327,10 @@ class FlashFwdSm90:
                mTileCounter: Optional[cute.Tensor], tail_ctas: Optional[Int32],
                mPartial: Optional[cute.Tensor], mTileFlags: Optional[cute.Tensor],
                window_left: Optional[Int32], window_right: Optional[Int32],
-               softcap_scale: Optional[Float32], mSlopes: Optional[cute.Tensor]):
+               softcap_scale: Optional[Float32], mSlopes: Optional[cute.Tensor],
+               mBlockTable: Optional[cute.Tensor], page_shift: Optional[Int32]):
         self.window = (window_left, window_right) if const_expr(self.local) else None
+        self.mBlockTable, self.page_shift = mBlockTable, page_shift
         self.softcap_scale = softcap_scale
         self.mSlopes = mSlopes
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -353,7 +370,8 @@ class FlashFwdSm90:
                              num_hb=num_hb, section=heads_per_section,
                              tail_section=tail_section, reverse_blocks=longest_first)
         seqlen = partial(SeqlenInfo.create, mQ=mQ, mK=mK, mCuSeqlensQ=mCuSeqlensQ,
-                         mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK)
+                         mCuSeqlensK=mCuSeqlensK, mSeqUsedQ=mSeqUsedQ, mSeqUsedK=mSeqUsedK,
+                         paged=self.paged)
         n_block_max = lambda m_block, seq: block_info.n_block_max(  # noqa: E731
             m_block, self.tile_m, self.tile_n, seq.seqlen_q, seq.seqlen_k, self.causal,
             window_right)
@@ -380,7 +398,7 @@ class FlashFwdSm90:
                                   seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k,
                                   tma_v, pipe_q, pipe_k, pipe_v, m_block, n_max,
                                   *self.pipeline_states(pipeline.PipelineUserType.Producer),
-                                  n_block_min(m_block, seq, n_max))
+                                  n_block_min(m_block, seq, n_max), self.page_row(batch))
                 else:
                     cute.arch.setmaxregister_increase(self.consumer_regs)
                     self.first_turn()
@@ -427,7 +445,7 @@ class FlashFwdSm90:
                                 seq.q_rows(mQ, head, batch), seq.k_rows(mK, head_kv, batch),
                                 seq.k_rows(mV, head_kv, batch), sQ, sK, sV, tma_q, tma_k, tma_v,
                                 pipe_q, pipe_k, pipe_v, m_block, n_max, q, kv,
-                                n_block_min(m_block, seq, n_max))
+                                n_block_min(m_block, seq, n_max), self.page_row(batch))
                             if const_expr(self.cfg.dynamic):
                                 # Claimed once this tile's loads are issued: the last V load
                                 # waited for a free stage, so the consumers are a block or two from
@@ -491,15 +509,30 @@ class FlashFwdSm90:
         return (pipeline.make_pipeline_state(user_type, 1),
                 pipeline.make_pipeline_state(user_type, self.cfg.kv_stages))
 
+    def page_row(self, batch: Int32):
+        """paged: sequence ``batch``'s row of the block table; else None."""
+        if const_expr(not self.paged):
+            return None
+        return self.mBlockTable[batch, None]
+
+    def kv_block(self, n: Int32, pages=None):
+        """Where key block n lies in mK / mV: block n, or paged through the sequence's pages
+        (one table read per block, by the load warp only)."""
+        if const_expr(pages is None):
+            return n
+        shift = self.page_shift
+        return (pages[n >> shift] << shift) + (n & ((Int32(1) << shift) - 1))
+
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
              sK: cute.Tensor, sV: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
              tma_v: cute.CopyAtom, pipe_q, pipe_k, pipe_v, m_block: Int32, n_max: Int32, q,
-             kv, n_lo=0):
+             kv, n_lo=0, pages=None):
         """Producer: K[last], Q, then K[n-1] ahead of V[n], matching the consumers' order.
         mQ, mK, mV: (rows, d) views of this tile's head and sequence; q, kv: the states of its
         first Q and K/V stages; key blocks n_lo .. n_max - 1 (a split tail's piece: n_lo > 0
-        or n_max short of the tile's). Returns the states of the next tile."""
+        or n_max short of the tile's); ``pages``: paged, the sequence's block-table row
+        (page_row). Returns the states of the next tile."""
         gQ = cute.local_tile(mQ, (self.tile_m, self.d), (m_block, 0))
         gK = cute.local_tile(mK, (self.tile_n, self.d), (None, 0))
         gV = cute.local_tile(mV, (self.tile_n, self.d), (None, 0))
@@ -507,8 +540,9 @@ class FlashFwdSm90:
         tKsK, tKgK = tma_split(tma_k, sK, gK)
         tVsV, tVgV = tma_split(tma_v, sV, gV)
 
+        block = partial(self.kv_block, pages=pages)
         pipe_k.producer_acquire(kv)
-        cute.copy(tma_k, tKgK[None, n_max - 1], tKsK[None, kv.index],
+        cute.copy(tma_k, tKgK[None, block(n_max - 1)], tKsK[None, kv.index],
                   tma_bar_ptr=pipe_k.producer_get_barrier(kv))
         pipe_q.producer_acquire(q)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q))
@@ -517,13 +551,13 @@ class FlashFwdSm90:
             kv_prev = kv.clone()
             kv.advance()
             pipe_k.producer_acquire(kv)
-            cute.copy(tma_k, tKgK[None, n_prev - 1], tKsK[None, kv.index],
+            cute.copy(tma_k, tKgK[None, block(n_prev - 1)], tKsK[None, kv.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(kv))
             pipe_v.producer_acquire(kv_prev)
-            cute.copy(tma_v, tVgV[None, n_prev], tVsV[None, kv_prev.index],
+            cute.copy(tma_v, tVgV[None, block(n_prev)], tVsV[None, kv_prev.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(kv_prev))
         pipe_v.producer_acquire(kv)
-        cute.copy(tma_v, tVgV[None, n_lo], tVsV[None, kv.index],
+        cute.copy(tma_v, tVgV[None, block(n_lo)], tVsV[None, kv.index],
                   tma_bar_ptr=pipe_v.producer_get_barrier(kv))
         q.advance()
         kv.advance()
