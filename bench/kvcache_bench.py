@@ -3,14 +3,15 @@ FA4's varlen entry on the same cache (seqused_k, with and without its split-KV h
 SDPA on the full cache.
 
     cd bench && python kvcache_bench.py [--batch 1 8 64] [--cache 1024 8192 32768]
-        [--splits 8 32] [--graph]
+        [--splits 8 32] [--graph] [--page 256]
 
 One query token per sequence, h = 32 query heads over hk = 8 KV heads, d = 128, bf16, every
 cache full to its length. Prints per cell the microseconds per call (each call's events bracket
 everything the API call queues: the index arithmetic and the attention kernel) and the cache
 bandwidth it reaches (K and V bytes read once / time). The outputs are compared with FA4's
 first. --splits adds flash_cute with num_splits forced to each count; --graph captures each
-call once in a CUDA graph and times its replays (a serving loop's decode step: the host's
+call once in a CUDA graph and times its replays; --page adds flash_cute on the same cache in
+shuffled pages of that many rows (block_table) (a serving loop's decode step: the host's
 Python path gone, the GPU time of every kernel the call queues left).
 """
 import argparse
@@ -50,6 +51,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--splits", type=int, nargs="*", default=[])
     ap.add_argument("--graph", action="store_true")
+    ap.add_argument("--page", type=int, default=0)
     args = ap.parse_args()
     h, hk, d = args.heads[0], args.heads[1], args.d
     try:
@@ -70,6 +72,15 @@ def main():
                 fns[f"flash_cute_splits{s}"] = (
                     lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=used,
                                                         causal=True, num_splits=s))
+            if args.page:  # the same caches as a pool of shuffled pages
+                per = n // args.page
+                perm = torch.randperm(b * per, device="cuda")
+                table = perm.view(b, per).int()
+                pools = [torch.empty_like(c).view(b * per, args.page, hk, d) for c in (kc, vc)]
+                for pool, c in zip(pools, (kc, vc)):
+                    pool[perm] = c.view(b * per, args.page, hk, d)
+                fns["flash_cute_paged"] = lambda: flash_attn_with_kvcache(
+                    q, *pools, cache_seqlens=used, causal=True, block_table=table)
             if fa4 is not None:
                 for splits in (1, 0):
                     fns[f"fa4_splits{splits}"] = (
