@@ -30,18 +30,22 @@ from flash_cute.autograd import use_custom_ops
 
 # The packed-decode rewrite needs every packed row at the same position (see the docstring).
 PACK_GQA_MAX_SEQLEN_Q = 1
-# Split-KV: a chunk of at least this many keys (8 key blocks of 128: the tile's start, Q load
-# and epilogue stay a small share of its time), whole key blocks, at most MAX_SPLITS chunks.
-SPLIT_MIN_KEYS = 1024
+# Split-KV: a chunk of at least this many keys (4 key blocks of 128: the tile's start, Q load
+# and epilogue stay a small share of its time; session 46, H100, b=1 8k keys under a CUDA
+# graph: 16 chunks of 512 keys 26.8 us vs 92.7 unsplit), whole key blocks, at most
+# MAX_SPLITS chunks.
+SPLIT_MIN_KEYS = 512
 SPLIT_KEY_ALIGN = 128
 MAX_SPLITS = 64
-# Automatic split only where one tile's keys take far longer than the split's host-side cost:
-# its ~40 more torch ops (chunk bounds, the LSE merge) cost ~400 us of host time per call on
-# the H100 (session 45, bench/kvcache_profile.py: b=1, 8k keys, d=128: GPU time 92 -> 59 us,
-# host 178 -> 579 us), while a tile streams its keys at ~50 GB/s (a CTA alone). Measured
-# (bench/kvcache_bench.py, h=32, hk=8): b=1 / 4 at 64k keys 0.90 / 0.90 of the unsplit call,
-# at 128k 1.83 / 1.45. Under CUDA graphs the host cost goes: pass num_splits there.
-SPLIT_AUTO_MIN_KEYS = 98304
+# Automatic split where the call's tiles leave most SMs idle and its caches are long enough
+# for the split's costs: in eager calls its host time (the chunk lengths, the copy of q per
+# chunk, the merge kernel: ~100 us more per call on the H100, so eager decoding is
+# host-bound near 215-230 us split), under CUDA graph capture only its GPU time (~10 us: the
+# merge and two small torch kernels). Session 46, H100, h=32 / hk=8 / d=128, us per call
+# (bench/kvcache_bench.py, unsplit / 16 chunks): eager b=1 8k 140 / 211, 32k 340 / 213, 128k
+# 1321 / 219; b=4 8k 149 / 222, 32k 349 / 228; graph b=1 8k 93 / 27, 32k 337 / 66.
+SPLIT_AUTO_MIN_KEYS = 32768
+SPLIT_AUTO_MIN_KEYS_GRAPH = 4096
 SPLIT_AUTO_MAX_TILE_SHARE = 2  # tiles <= SMs / 2: most SMs would idle
 ROW_TILE = 128  # query rows per forward tile (d <= 128; a bound for the tile count)
 
@@ -196,16 +200,21 @@ def _check_fit(cache_seqlens, seqlens, leftpad, s_new, s_cache, validate):
 
 
 def _num_splits(asked: int, tiles: int, s_cache: int, device) -> int:
-    """Chunks per sequence: ``asked`` when > 0; automatic (0) on a GPU: enough to fill the
-    SMs where the calls' tiles leave them idle, each chunk >= SPLIT_MIN_KEYS keys."""
+    """Chunks per sequence: ``asked`` when > 0; automatic (0) on a GPU: as many as fill the
+    SMs in one round where the calls' tiles leave them idle (one more tile than SMs would
+    run a second round for it: b=1, hk=8 at 128k keys, 17 chunks 238 us vs 16 chunks 196
+    under a graph), each chunk >= SPLIT_MIN_KEYS keys."""
     if asked > 0:
         return min(asked, _ceil_div(s_cache, SPLIT_KEY_ALIGN))
-    if device.type != "cuda" or s_cache < SPLIT_AUTO_MIN_KEYS:
+    if device.type != "cuda":
+        return 1
+    capturing = torch.cuda.is_current_stream_capturing()
+    if s_cache < (SPLIT_AUTO_MIN_KEYS_GRAPH if capturing else SPLIT_AUTO_MIN_KEYS):
         return 1
     sms = dispatch.num_sms(device)
     if tiles * SPLIT_AUTO_MAX_TILE_SHARE > sms:
         return 1
-    return max(1, min(_ceil_div(sms, tiles), s_cache // SPLIT_MIN_KEYS, MAX_SPLITS))
+    return max(1, min(sms // tiles, s_cache // SPLIT_MIN_KEYS, MAX_SPLITS))
 
 
 _INDEX_ARRAYS: dict = {}
@@ -339,8 +348,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     bottom-right aligned to each sequence's keys. Not differentiable (as FA2's).
     Returns out (b, sq, h, d), and softmax_lse fp32 (b, h, sq) when return_softmax_lse.
     num_splits: key chunks per sequence (split-KV, merged by their LSEs): 0 picks them where
-    a call's tiles would leave most SMs idle over >= 96k keys (SPLIT_AUTO_MIN_KEYS: the
-    split costs host time; under CUDA graphs ask for it), 1 never splits; splitting needs
+    a call's tiles would leave most SMs idle, over >= 32k keys (SPLIT_AUTO_MIN_KEYS: the
+    split costs host time) or under CUDA graph capture >= 4k, 1 never splits; splitting needs
     position-free scores (one query row or non-causal, no window, no ALiBi: num_splits > 1
     otherwise raises NotImplementedError, 0 runs unsplit).
     block_table (b, max_pages) int32: paged caches, k_cache / v_cache (num_pages, page_size,
