@@ -432,6 +432,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 v_cache[rows, pos] = v
         in_place = paged and dispatch.paged_in_place(d, k_cache.shape[1]) and \
             not use_custom_ops()
+        if in_place and block_table.stride(1) != 1:  # the kernel reads rows of the table
+            block_table = block_table.contiguous()
         if paged and not in_place:  # other page sizes and head dims: a copy
             k_cache, v_cache = _gather_pages(k_cache, block_table), _gather_pages(v_cache,
                                                                                  block_table)

@@ -179,12 +179,15 @@ def test_paged_cache_matches_contiguous(standin, b, page, pages, s_new, sq, caus
     splits = splits if sq == 1 or not causal else 0
     kw = dict(cache_seqlens=seqlens, causal=causal, return_softmax_lse=True, num_splits=splits)
     want, want_lse = flash_cute.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
+    if seed % 2:  # a transposed copy: the kernel gets rows of unit stride
+        table = table.t().contiguous().t()
     out, lse = flash_cute.flash_attn_with_kvcache(q, k_pool, v_pool, k, v, block_table=table,
                                                   **kw)
     call = standin[-1]
     assert ("block_table" in call) == (page >= 128)
     if page >= 128:
         assert call["k"].data_ptr() == k_pool.data_ptr()
+        assert call["block_table"].stride(1) == 1
     # The oracle sums over a sequence's keys alone from a paged call's pools, over the cache
     # with the rest masked otherwise: fp32 sums in another order. Split-KV cuts paged caches
     # at whole pages, contiguous ones at 128 keys: each chunk's output rounds to bf16.
