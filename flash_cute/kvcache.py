@@ -266,18 +266,16 @@ def _chunk_bounds(b: int, s_cache: int, chunk: int, splits: int, device: torch.d
 
 def _attend(qp, kp, vp, cu_q, cu_k, max_q, max_k, used, opts):
     """(out, lse) of the varlen forward on arguments built here from validated ones: eager
-    calls go to dispatch.fwd with only the layout check (a decode step's host time is most
-    of it: session 45), traced ones through the custom op."""
+    calls go to dispatch.fwd directly (a decode step's host time is most of it: sessions
+    45-46), traced ones through the custom op. No second validation: q and the caches
+    passed check_layout / dtype / device / head-dim checks, and every view built from them
+    keeps 16-byte strides and base (a reshape that cannot view copies into a contiguous
+    tensor; gathers and index_select copy)."""
     if use_custom_ops():
         out, lse, _ = interface.flash_attn_varlen_func(
             qp, kp, vp, cu_q, cu_k, max_q, max_k, return_attn_probs=True, seqused_k=used,
             **opts)
         return out, lse
-    if kp.dim() == 4:  # a paged cache's pools (opts["block_table"]): their rows
-        validation.check_qkv(qp, kp.flatten(0, 1), vp.flatten(0, 1), varlen=True,
-                             require_cuda=interface._REQUIRE_CUDA)
-    else:
-        validation.check_qkv(qp, kp, vp, varlen=True, require_cuda=interface._REQUIRE_CUDA)
     return dispatch.fwd(qp, kp, vp, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                         max_seqlen_k=max_k, seqused_k=used, **opts)
 
