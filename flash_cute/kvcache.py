@@ -15,9 +15,16 @@ sits at the last position, and bottom-right causal masks nothing.
 
 Split-KV (``num_splits``; automatic where a call's tiles would leave SMs idle): each
 sequence's keys are cut into chunks that run as sequences of their own with the same query
-rows, in one varlen launch, and the chunks' outputs are merged by their LSEs in fp32
-(torch ops). Exact where no mask or bias depends on positions (see ``splittable``); each
-chunk's output is rounded to the input dtype before the merge.
+rows, in one varlen launch, and the chunks' outputs are merged by their LSEs in fp32 (one
+kernel, kernels/common/combine.py; torch ops when traced). Exact where no mask or bias
+depends on positions (see ``splittable``); each chunk's output is rounded to the input dtype
+before the merge.
+
+Paged caches (``block_table``): pools of pages (pages, page_size, hk, d). Pages of 128 x 2^n
+rows at d <= 128 go to the paged varlen kernels as they are, with the table (a split's chunks
+are whole pages, each with its slice of the table); other pages are gathered into contiguous
+caches first. Index arrays (prefix sums, chunk bounds) are cached per shape from eager code
+only, so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
