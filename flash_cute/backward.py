@@ -71,8 +71,8 @@ import torch
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
                      BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections,
                      parse_config_spec)
-from .dispatch import (NO_SOFTCAP, NO_VARLEN, NO_WINDOW, alibi_slopes2d, compile_kernel,
-                       fake_slopes, partials_workspace, softmax_scales)
+from .dispatch import (NO_SOFTCAP, NO_VARLEN, NO_WINDOW, alibi_slopes2d, check_arch,
+                       compile_kernel, fake_slopes, partials_workspace, softmax_scales)
 from .kernels.common.scheduler import varlen_num_tiles
 from .kernels.common.seqlen import pad_offset
 
@@ -175,11 +175,6 @@ def compile_cache_size() -> int:
 
 
 # ----------------------------------------------------------------------------- compilation
-def _check_arch(arch: str):
-    if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
-        raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
-
-
 def _fake_qkv(dt, d, batch, seqlen, heads):
     """(b, s, h, d), or varlen (batch None) (total, h, d), with symbolic 64-bit strides
     divisible by 16 bytes (TMA needs that)."""
@@ -276,7 +271,7 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
 
     from .kernels.sm90.bwd_pre import FlashBwdPreSm90
 
-    _check_arch(arch)
+    check_arch(arch)
     dt = getattr(cutlass, dtype_name)
     # The main kernel's query tile (its padding unit); None: the shipped config's.
     cfg = BwdSm90Config.for_head_dim(d)
@@ -312,7 +307,7 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
     from .kernels.sm90.bwd import FlashBwdSm90
     from .kernels.sm90.bwd_wide import FlashBwdWideSm90
 
-    _check_arch(arch)
+    check_arch(arch)
     dt = getattr(cutlass, dtype_name)
     if cfg_overrides.get("persistent"):
         # config.py: the staged epilogue pairing is not GPU-checked; stagger is one CTA per tile
@@ -381,7 +376,7 @@ def _compile_post(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=No
 
     from .kernels.sm90.bwd_post import FlashBwdPostSm90
 
-    _check_arch(arch)
+    check_arch(arch)
     dt = getattr(cutlass, dtype_name)
     rank = 3 if varlen else 4
     acc_stride = tuple(cute.sym_int64(divisibility=4) for _ in range(rank - 1)) + (1,)

@@ -96,6 +96,8 @@ def paged_in_place(d: int, page_size: int) -> bool:
     blocks = page_size // PAGED_TILE_N
     return (d in PAGED_HEAD_DIMS and page_size % PAGED_TILE_N == 0
             and blocks & (blocks - 1) == 0)
+
+
 LOG2E = math.log2(math.e)
 # An unbounded window side becomes a bound past every key; capped so that the kernels'
 # row + seqlen_k - seqlen_q + bound stays inside int32.
@@ -159,6 +161,13 @@ def _fake_args(dtype_name: str, d: int, varlen: bool = False):
             (int32s(), int32s(), int32s(), int32s()))
 
 
+def check_arch(arch: str):
+    """The DSL compiles for CUTE_DSL_ARCH; a different requested arch would build the wrong
+    cubin silently."""
+    if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
+        raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
+
+
 def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                  keep_cubin: bool = False, local: bool = False, softcap: bool = False,
                  alibi: bool = False, paged: bool = False, **cfg_overrides):
@@ -169,8 +178,7 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
 
     from .kernels.sm90.fwd import FlashFwdSm90
 
-    if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
-        raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
+    check_arch(arch)
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen, local, softcap,
                           alibi, paged)
@@ -668,8 +676,7 @@ def _compile_combine(arch: str, dtype_name: str, d: int, keep_cubin: bool = Fals
 
     from .kernels.common.combine import CombineSplits
 
-    if os.environ.get("CUTE_DSL_ARCH", arch) != arch:
-        raise RuntimeError(f"CUTE_DSL_ARCH={os.environ['CUTE_DSL_ARCH']} but {arch} requested")
+    check_arch(arch)
     dt = getattr(cutlass, dtype_name)
     b, splits, rows, h = (cute.sym_int() for _ in range(4))
     parts = cute.runtime.make_fake_tensor(  # a view of the varlen out: any 16-byte strides

@@ -215,8 +215,9 @@ def _num_splits(asked: int, tiles: int, s_cache: int, device) -> int:
         return min(asked, _ceil_div(s_cache, SPLIT_KEY_ALIGN))
     if device.type != "cuda":
         return 1
-    capturing = torch.cuda.is_current_stream_capturing()
-    if s_cache < (SPLIT_AUTO_MIN_KEYS_GRAPH if capturing else SPLIT_AUTO_MIN_KEYS):
+    if s_cache < SPLIT_AUTO_MIN_KEYS_GRAPH:  # too short even for a graph: skip the query
+        return 1
+    if s_cache < SPLIT_AUTO_MIN_KEYS and not torch.cuda.is_current_stream_capturing():
         return 1
     sms = dispatch.num_sms(device)
     if tiles * SPLIT_AUTO_MAX_TILE_SHARE > sms:
