@@ -25,8 +25,9 @@ from flash_cute import backward, dispatch
 
 
 def _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None):
-    """(dq, dk, dv) of batched attention, recomputed in fp32 with the backward written out.
+                 alibi_slopes=None, learnable_sink=None):
+    """(dq, dk, dv) of batched attention, recomputed in fp32 with the backward written out
+    (and dsink after them with ``learnable_sink``: -sum over rows of exp(sink - lse) * D).
 
     The formulas are the fused backward's (P = exp(S - lse), D = rowsum(dO * O),
     dS = P * (dP - D); softcap: S = softcap * tanh(scale * qk / softcap), so dS picks up
@@ -55,6 +56,9 @@ def _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size=(-1, -1), sof
         if left >= 0:
             s = s.masked_fill(j < i - left, float("-inf"))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    if learnable_sink is not None:  # one more logit per head, with no value
+        sink = learnable_sink.float().view(1, -1, 1, 1)
+        lse = torch.logaddexp(lse, sink.expand_as(lse))
     p = torch.exp(s - lse.nan_to_num(neginf=0.0))  # fully masked rows: exp(-inf) = 0
     o = torch.einsum("bhqk,bkhd->bqhd", p, vf)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, vf)
@@ -67,29 +71,46 @@ def _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size=(-1, -1), sof
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
     if group > 1:  # sum the query heads that share a KV head
         dk, dv = (t.unflatten(2, (k.shape[2], group)).sum(3) for t in (dk, dv))
-    return tuple(g.contiguous().to(t.dtype) for g, t in zip((dq, dk, dv), (q, k, v)))
+    grads = tuple(g.contiguous().to(t.dtype) for g, t in zip((dq, dk, dv), (q, k, v)))
+    if learnable_sink is None:
+        return grads
+    p_sink = torch.exp(sink - lse).nan_to_num(nan=0.0)  # -inf sink and row: no mass
+    dsink = -(p_sink * delta).sum((0, 2, 3))
+    return (*grads, dsink.to(learnable_sink.dtype))
 
 
 def _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                         softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
-                        alibi_slopes=None):
+                        alibi_slopes=None, learnable_sink=None):
     """(dq, dk, dv) of varlen attention: _interim_bwd on each sequence's used rows and keys
     (causal stays bottom-right aligned on the used lengths, as in the reference); rows and
-    keys past seqused get 0. Reads cu_seqlens on the host: a fallback, not a fast path."""
+    keys past seqused get 0 (dsink with ``learnable_sink``, summed over the sequences). Reads
+    cu_seqlens on the host: a fallback, not a fast path."""
     dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dsink = None if learnable_sink is None else torch.zeros_like(learnable_sink,
+                                                                  dtype=torch.float32)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):
         nq = cu_q[i + 1] - cu_q[i] if seqused_q is None else int(seqused_q[i])
         nk = cu_k[i + 1] - cu_k[i] if seqused_k is None else int(seqused_k[i])
-        if nq == 0 or nk == 0:  # nothing attends: the gradients stay 0
+        if nq == 0 or nk == 0:  # nothing attends (O = 0, so D = 0): the gradients stay 0
             continue
         rows, keys = slice(cu_q[i], cu_q[i] + nq), slice(cu_k[i], cu_k[i] + nk)
         slopes = None if alibi_slopes is None else (
             alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i])
         grads = _interim_bwd(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
-                             softmax_scale, causal, window_size, softcap, slopes)
-        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
-    return dq, dk, dv
+                             softmax_scale, causal, window_size, softcap, slopes,
+                             None if dsink is None else learnable_sink.float())  # fp32 sums
+        dq[rows], dk[keys], dv[keys] = (g[0] for g in grads[:3])
+        if dsink is not None:
+            dsink += grads[3]
+    if dsink is None:
+        return dq, dk, dv
+    return dq, dk, dv, dsink.to(learnable_sink.dtype)
+
+
+# Where learnable_sink sits among the fwd / varlen_fwd ops' inputs.
+_SINK_INPUT = {"fwd": 10, "varlen_fwd": 16}
 
 
 # Explicit schemas: the ops' contract, spelled out rather than inferred from type hints.
@@ -97,19 +118,19 @@ def _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, se
     "flash_cute::fwd", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal,"
            " bool deterministic=False, int window_left=-1, int window_right=-1,"
-           " float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)")
+           " float softcap=0.0, Tensor? alibi_slopes=None, Tensor? learnable_sink=None)"
+           " -> (Tensor out, Tensor lse)")
 def _fwd(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
-         softcap=0.0, alibi_slopes=None):
+         softcap=0.0, alibi_slopes=None, learnable_sink=None):
     # deterministic only reaches the backward (through the autograd context).
     # Looked up on the module at call time, so tests can stand in a CPU forward.
     return dispatch.fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
                         window_size=(window_left, window_right), softcap=softcap,
-                        alibi_slopes=alibi_slopes)
+                        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1,
-              window_right=-1, softcap=0.0, alibi_slopes=None):
+def _fwd_fake(q, k, v, softmax_scale, causal, *args, **kwargs):
     b, sq, h, _ = q.shape
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((b, h, sq), dtype=torch.float32))
@@ -120,58 +141,83 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
            " float softmax_scale, bool causal, bool deterministic=False,"
            " int window_left=-1, int window_right=-1, float softcap=0.0,"
-           " Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)")
+           " Tensor? alibi_slopes=None, Tensor? learnable_sink=None)"
+           " -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsink)")
 def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False, window_left=-1,
-         window_right=-1, softcap=0.0, alibi_slopes=None):
-    return _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                        (window_left, window_right), softcap, alibi_slopes)
+         window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None):
+    return _with_dsink(_batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal,
+                                    deterministic, (window_left, window_right), softcap,
+                                    alibi_slopes, learnable_sink), q)
+
+
+def _with_dsink(grads, q):
+    """The bwd ops' four outputs: a schema has no optional outputs, so without a sink dsink
+    is an empty tensor."""
+    return grads if len(grads) == 4 else (*grads, q.new_empty((0,), dtype=torch.float32))
 
 
 def _batched_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
-    """(dq, dk, dv): the fused kernels on sm_90 for the head dims they cover; otherwise (or
-    FLASH_CUTE_FUSED_BWD=0) the fp32 recompute, which takes any dout layout (it copies to
-    fp32). The body of flash_cute::bwd and of FlashAttnFunc.backward. ``window_size``:
-    FA2's (left, right)."""
+                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None):
+    """(dq, dk, dv), and dsink with ``learnable_sink``: the fused kernels on sm_90 for the
+    head dims they cover; otherwise (or FLASH_CUTE_FUSED_BWD=0) the fp32 recompute, which
+    takes any dout layout (it copies to fp32). The body of flash_cute::bwd and of
+    FlashAttnFunc.backward. ``window_size``: FA2's (left, right)."""
     if _fused_bwd_applies(q):
         causal_k, window = dispatch.window_bounds(window_size, causal, q.shape[1], k.shape[1])
         return backward.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                             causal=causal_k, deterministic=deterministic, window=window,
-                            softcap=softcap, alibi_slopes=alibi_slopes)
+                            softcap=softcap, alibi_slopes=alibi_slopes,
+                            learnable_sink=learnable_sink)
     return _interim_bwd(dout, q, k, v, softmax_scale, causal, window_size, softcap,
-                        alibi_slopes)
+                        alibi_slopes, learnable_sink)
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, *args, **kwargs):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic=False,
+              window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+              learnable_sink=None):
+    return _grads_fake(q, k, v, learnable_sink)
+
+
+def _grads_fake(q, k, v, learnable_sink):
+    """The bwd ops' outputs for torch.compile: dq, dk, dv contiguous, dsink like the sink (or
+    empty)."""
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    if learnable_sink is None:
+        return (*grads, q.new_empty((0,), dtype=torch.float32))
+    return (*grads, torch.empty_like(learnable_sink))
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal, *rest = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal = softmax_scale, causal
     ctx.deterministic = bool(rest[0]) if rest else False
     ctx.window = tuple(rest[1:3]) if len(rest) > 1 else (-1, -1)
     ctx.softcap = rest[3] if len(rest) > 3 else 0.0
     ctx.alibi_slopes = rest[4] if len(rest) > 4 else None  # not differentiated
+    sink = rest[5] if len(rest) > 5 else None
+    ctx.save_for_backward(q, k, v, out, lse, sink)
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sink = ctx.saved_tensors
     grads = torch.ops.flash_cute.bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
                                      ctx.deterministic, *ctx.window, ctx.softcap,
-                                     ctx.alibi_slopes)
-    return _input_grads(ctx, grads)
+                                     ctx.alibi_slopes, sink)
+    return _input_grads(ctx, grads, sink_index=_SINK_INPUT["fwd"])
 
 
-def _input_grads(ctx, grads):
+def _input_grads(ctx, grads, sink_index=None):
     """One gradient per input of ``ctx``'s function: dq, dk, dv where autograd asked for
-    them (the backward computes all three), None for every other input (the flags)."""
+    them (the backward computes all three), dsink at ``sink_index`` where asked for, None
+    for every other input (the flags)."""
     needs = ctx.needs_input_grad
-    return (*(g if n else None for g, n in zip(grads, needs)), *(None,) * (len(needs) - 3))
+    out = [g if n else None for g, n in zip(grads[:3], needs)] + [None] * (len(needs) - 3)
+    if sink_index is not None and sink_index < len(needs) and needs[sink_index]:
+        out[sink_index] = grads[3]
+    return tuple(out)
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -201,16 +247,16 @@ def use_custom_ops() -> bool:
 
 
 # The varlen ops' arguments after q, k, v, in schema order up to causal (all from
-# validate_fwd's options; alibi_slopes and dropout_p are at their defaults, the unsupported-
-# option check saw to that); then deterministic, the window's two sides, softcap and
-# alibi_slopes.
+# validate_fwd's options; dropout_p is at its default, the unsupported-option check saw to
+# that); then deterministic, the window's two sides, softcap, alibi_slopes and
+# learnable_sink.
 VARLEN_OP_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "max_seqlen_q",
                   "max_seqlen_k", "softmax_scale", "causal")
 _VARLEN_SCHEMA = ("Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q,"
                   " Tensor? seqused_k, SymInt max_seqlen_q, SymInt max_seqlen_k,"
                   " float softmax_scale, bool causal, bool deterministic=False,"
                   " int window_left=-1, int window_right=-1, float softcap=0.0,"
-                  " Tensor? alibi_slopes=None")
+                  " Tensor? alibi_slopes=None, Tensor? learnable_sink=None")
 
 
 @torch.library.custom_op("flash_cute::varlen_fwd", mutates_args=(),
@@ -218,12 +264,12 @@ _VARLEN_SCHEMA = ("Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q,"
                                 " -> (Tensor out, Tensor lse)")
 def _varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, deterministic=False, window_left=-1,
-                window_right=-1, softcap=0.0, alibi_slopes=None):
+                window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None):
     return dispatch.fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         seqused_q=seqused_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                         window_size=(window_left, window_right), softcap=softcap,
-                        alibi_slopes=alibi_slopes)
+                        alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
 
 
 @_varlen_fwd.register_fake
@@ -235,33 +281,41 @@ def _varlen_fwd_fake(q, k, v, *args, **kwargs):
 @torch.library.custom_op("flash_cute::varlen_bwd", mutates_args=(),
                          schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,"
                                 f" Tensor lse, {_VARLEN_SCHEMA})"
-                                " -> (Tensor dq, Tensor dk, Tensor dv)")
+                                " -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsink)")
 def _varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                 max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False,
-                window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
-    return varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                      seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                      deterministic, (window_left, window_right), softcap, alibi_slopes)
+                window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                learnable_sink=None):
+    return _with_dsink(varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                  seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                                  softmax_scale, causal, deterministic,
+                                  (window_left, window_right), softcap, alibi_slopes,
+                                  learnable_sink), q)
 
 
 @_varlen_bwd.register_fake
-def _varlen_bwd_fake(dout, q, k, v, *args, **kwargs):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                     seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+                     alibi_slopes=None, learnable_sink=None):
+    return _grads_fake(q, k, v, learnable_sink)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, used_q, used_k, *rest = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, used_q, used_k)
     ctx.scalars = (tuple(rest[:4]) + ((bool(rest[4]),) if len(rest) > 4 else (False,))
                    + (tuple(rest[5:7]) if len(rest) > 5 else (-1, -1))
                    + ((rest[7],) if len(rest) > 7 else (0.0,))
                    + ((rest[8],) if len(rest) > 8 else (None,)))
+    sink = rest[9] if len(rest) > 9 else None
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, used_q, used_k, sink)
     ctx.mark_non_differentiable(output[1])
 
 
 def _varlen_op_backward(ctx, dout, _dlse):
-    grads = torch.ops.flash_cute.varlen_bwd(dout, *ctx.saved_tensors, *ctx.scalars)
-    return _input_grads(ctx, grads)
+    *saved, sink = ctx.saved_tensors
+    grads = torch.ops.flash_cute.varlen_bwd(dout, *saved, *ctx.scalars, sink)
+    return _input_grads(ctx, grads, sink_index=_SINK_INPUT["varlen_fwd"])
 
 
 _varlen_fwd.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
@@ -269,11 +323,11 @@ _varlen_fwd.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_c
 
 def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic=False,
-               window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
-    """(dq, dk, dv) of varlen attention: the fused kernels (backward.varlen_bwd) where they
-    apply; otherwise the fp32 recompute per sequence (slow, O(s^2) memory). The body of
-    flash_cute::varlen_bwd and of FlashAttnFunc.backward. ``window_size``: FA2's (left,
-    right)."""
+               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, learnable_sink=None):
+    """(dq, dk, dv) of varlen attention (dsink after them with ``learnable_sink``): the fused
+    kernels (backward.varlen_bwd) where they apply; otherwise the fp32 recompute per sequence
+    (slow, O(s^2) memory). The body of flash_cute::varlen_bwd and of FlashAttnFunc.backward.
+    ``window_size``: FA2's (left, right)."""
     if _fused_bwd_applies(q):
         causal_k, window = dispatch.window_bounds(window_size, causal, max_seqlen_q,
                                                   max_seqlen_k)
@@ -282,21 +336,23 @@ def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, s
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
             causal=causal_k, seqused_q=seqused_q, seqused_k=seqused_k,
             deterministic=deterministic, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes)
+            alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
     return _interim_varlen_bwd(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                               softmax_scale, causal, window_size, softcap, alibi_slopes)
+                               softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               learnable_sink)
 
 
 class FlashAttnFunc(torch.autograd.Function):
-    """(q, k, v, opts, deterministic) -> (out, lse), opts being validate_fwd's options (the
-    keyword arguments of dispatch.fwd): the eager twin of flash_cute::fwd and varlen_fwd with
-    their autograd (the same functions, without the dispatcher's round trips). lse is
+    """(q, k, v, learnable_sink, opts, deterministic) -> (out, lse), opts being validate_fwd's
+    other options (the keyword arguments of dispatch.fwd): the eager twin of flash_cute::fwd
+    and varlen_fwd with their autograd (the same functions, without the dispatcher's round
+    trips). The sink (or None) is an input of its own so that autograd sees it. lse is
     non-differentiable; deterministic reaches only the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, opts, deterministic):
-        out, lse = dispatch.fwd(q, k, v, **opts)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, learnable_sink, opts, deterministic):
+        out, lse = dispatch.fwd(q, k, v, learnable_sink=learnable_sink, **opts)
+        ctx.save_for_backward(q, k, v, out, lse, learnable_sink)
         ctx.opts, ctx.deterministic = opts, deterministic
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero dlse launched for the unused lse
@@ -305,15 +361,15 @@ class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # only lse reached the loss: it is non-differentiable
-            return (None,) * 5
-        q, k, v, out, lse = ctx.saved_tensors
+            return (None,) * 6
+        q, k, v, out, lse, sink = ctx.saved_tensors
         opts = ctx.opts
         if opts["cu_seqlens_q"] is None:
             grads = _batched_bwd(dout, q, k, v, out, lse, opts["softmax_scale"], opts["causal"],
                                  ctx.deterministic, opts["window_size"], opts["softcap"],
-                                 opts["alibi_slopes"])
+                                 opts["alibi_slopes"], sink)
         else:
             grads = varlen_bwd(dout, q, k, v, out, lse, *(opts[n] for n in VARLEN_OP_ARGS),
                                ctx.deterministic, opts["window_size"], opts["softcap"],
-                               opts["alibi_slopes"])
-        return _input_grads(ctx, grads)
+                               opts["alibi_slopes"], sink)
+        return _input_grads(ctx, grads, sink_index=3)

@@ -42,8 +42,9 @@ The wide kernel is checked on the H200 by bench/check_bwd.py and bench/check_var
 
 ``flash_cute::bwd`` (flash_cute.autograd) calls ``bwd`` when the tensors are on an sm_90 GPU
 and ``unsupported_bwd_option`` returns None (d 64/96/128/192/256, batched and varlen, plain,
-causal, sliding window, softcap, ALiBi, GQA, deterministic); otherwise, or with ``FLASH_CUTE_FUSED_BWD=0``, it
-runs the fp32 recompute.
+causal, sliding window, softcap, ALiBi, GQA, learnable sinks, deterministic); otherwise, or
+with ``FLASH_CUTE_FUSED_BWD=0``, it runs the fp32 recompute. Learnable sinks change no
+kernel: the forward's LSE includes them, and their gradient is one reduction (sink_grad).
 
 Compilation follows ``flash_cute.dispatch``: fake tensors with symbolic sizes and strides, so the
 cache key holds only code-changing values (arch, dtype, head dim, causal, GQA) and never a
@@ -71,7 +72,7 @@ import torch
 from .config import (BWD_LOCKSTEP_128, BWD_SUPPORTED_HEAD_DIMS, BWD_TILE_M80, BWD_TIMELINE,
                      BWD_WIDE_HEAD_DIMS, SWIZZLE_DQ_HEAD_DIMS, BwdSm90Config, l2_sections,
                      parse_config_spec)
-from .dispatch import (NO_SOFTCAP, NO_VARLEN, NO_WINDOW, alibi_slopes2d, check_arch,
+from .dispatch import (LOG2E, NO_SOFTCAP, NO_VARLEN, NO_WINDOW, alibi_slopes2d, check_arch,
                        compile_kernel, fake_slopes, partials_workspace, softmax_scales)
 from .kernels.common.scheduler import varlen_num_tiles
 from .kernels.common.seqlen import pad_offset
@@ -645,13 +646,17 @@ def _semaphore_stub(device, rank: int) -> torch.Tensor:
     return torch.empty((1,) * rank, dtype=torch.int32, device=device)
 
 
-def _row_scratch(rows: tuple, dq_row: int, d: int, device):
+def _row_scratch(rows: tuple, dq_row: int, d: int, device, rows_zeroed: bool = False):
     """fp32 LSE_log2 and D, shaped ``rows``, and the dQ accumulator (*rows, d) in rows of
     dq_row floats: views of one allocation (one caching-allocator call instead of three,
     before the first launch). The accumulator comes first; every start stays 16-byte aligned
-    (the padded row count is a multiple of the query tile)."""
+    (the padded row count is a multiple of the query tile). ``rows_zeroed``: LSE_log2 and D
+    start at 0 (varlen's bwd_pre leaves the rows between sequences' tiles unwritten;
+    sink_grad sums over every row)."""
     n = math.prod(rows)
     buf = torch.empty(n * (dq_row + 2), dtype=torch.float32, device=device)
+    if rows_zeroed:
+        buf[n * dq_row:].zero_()
     dq_accum = buf[:n * dq_row].view(*rows, dq_row)[..., :d]
     return buf[n * dq_row:n * (dq_row + 1)].view(rows), buf[n * (dq_row + 1):].view(rows), dq_accum
 
@@ -659,8 +664,9 @@ def _row_scratch(rows: tuple, dq_row: int, d: int, device):
 def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out: torch.Tensor, lse: torch.Tensor, *, softmax_scale: float, causal: bool,
         deterministic: bool = False, persistent: bool | None = None, cfg_overrides=None,
-        window=None, softcap: float = 0.0, alibi_slopes=None):
-    """Gradients of attention (batched layout). Returns ``(dq, dk, dv)`` like q, k, v.
+        window=None, softcap: float = 0.0, alibi_slopes=None, learnable_sink=None):
+    """Gradients of attention (batched layout). Returns ``(dq, dk, dv)`` like q, k, v, and
+    with ``learnable_sink`` (h,) its gradient after them (sink_grad).
 
     q, out, dout (b, sq, h, d); k, v (b, sk, hk, d), h % hk == 0; lse fp32 (b, h, sq) natural
     log, as returned by the forward. Inputs are assumed validated like the forward's.
@@ -674,7 +680,7 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sk, hk = k.shape[1], k.shape[2]
     _require_runnable(d)
     if q.numel() == 0 or k.numel() == 0:  # no queries or no keys: every gradient is 0
-        return _zero_grads(q, k, v)
+        return _zero_grads(q, k, v, learnable_sink)
     _require_runnable(d, q.device)
     persistent = _resolve_persistent(persistent, d)
     cfg_overrides = split_tail_overrides(
@@ -719,7 +725,21 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
         post(dv_out, dv, 1.0, *NO_VARLEN_Q)
+    if learnable_sink is not None:
+        return dq, dk, dv, sink_grad(learnable_sink, lse_log2, dpsum, 1)
     return dq, dk, dv
+
+
+def sink_grad(learnable_sink, lse_log2, dpsum, head_axis: int):
+    """d loss / d sink[h] = -sum over rows of P_sink * D, P_sink = exp(sink - LSE) being the
+    sink's probability (it has no value, so its dP is 0) and D = rowsum(dO * O): from bwd_pre's
+    padded rows (heads along ``head_axis``), where a padding row has LSE_log2 = +inf or 0 and
+    D = 0. A plain reduction in a fixed order: deterministic."""
+    shape = [1] * lse_log2.dim()
+    shape[head_axis] = -1
+    p_sink = torch.exp2(learnable_sink.detach().float().view(shape) * LOG2E - lse_log2)
+    others = tuple(i for i in range(lse_log2.dim()) if i != head_axis)
+    return (-(p_sink * dpsum).sum(others)).to(learnable_sink.dtype)
 
 
 def _split_args(device, cfg: BwdSm90Config, num_hb: int, sq: int, sk: int, whole: bool):
@@ -737,8 +757,11 @@ def _split_args(device, cfg: BwdSm90Config, num_hb: int, sq: int, sk: int, whole
                                                     max(num_tiles - tail_start, 1)))
 
 
-def _zero_grads(q, k, v):
-    return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _zero_grads(q, k, v, learnable_sink=None):
+    """No scores at all: every gradient 0 (a sink's too: each row's O, hence D, is 0)."""
+    sinks = () if learnable_sink is None else (learnable_sink,)
+    return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format)
+                 for t in (q, k, v, *sinks))
 
 
 def _dkv_sums(shape, device, alloc):
@@ -753,8 +776,10 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                softmax_scale: float, causal: bool, seqused_q=None, seqused_k=None,
                deterministic: bool = False, persistent: bool | None = None,
-               cfg_overrides=None, window=None, softcap: float = 0.0, alibi_slopes=None):
-    """Gradients of varlen attention. Returns ``(dq, dk, dv)`` like q, k, v.
+               cfg_overrides=None, window=None, softcap: float = 0.0, alibi_slopes=None,
+               learnable_sink=None):
+    """Gradients of varlen attention. Returns ``(dq, dk, dv)`` like q, k, v (and dsink, as
+    ``bwd``).
 
     q, out, dout (total_q, h, d); k, v (total_k, hk, d); lse fp32 (h, total_q) as returned by
     the varlen forward; cu_seqlens, seqused and max_seqlen as validated for it. Rows past
@@ -768,7 +793,7 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     batch = cu_seqlens_q.shape[0] - 1
     _require_runnable(d)
     if total_q == 0 or total_k == 0 or batch == 0 or h == 0:  # no scores at all: all 0
-        return _zero_grads(q, k, v)
+        return _zero_grads(q, k, v, learnable_sink)
     _require_runnable(d, q.device)
     cfg_overrides = score_mods_overrides(d, cfg_overrides, softcap > 0, alibi_slopes is not None)
     cfg = bwd_config(d, cfg_overrides, causal)
@@ -785,7 +810,8 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
     # bwd_pre first, as in bwd: the host work below overlaps it.
     rows = pad_offset(total_q, batch, cfg.tile_m)  # padded rows of all sequences
-    lse_log2, dpsum, dq_accum = _row_scratch((h, rows), cfg.dq_row, d, q.device)
+    lse_log2, dpsum, dq_accum = _row_scratch((h, rows), cfg.dq_row, d, q.device,
+                                             rows_zeroed=learnable_sink is not None)
     out, dout = _tma_ready(out.detach()), _tma_ready(dout.detach())
     pre(out, dout, lse.detach().contiguous(), lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q)
 
@@ -815,4 +841,6 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)
         post(dv_out[None], dv[None], 1.0, *NO_VARLEN_Q)
+    if learnable_sink is not None:
+        return dq, dk, dv, sink_grad(learnable_sink, lse_log2, dpsum, 0)
     return dq, dk, dv

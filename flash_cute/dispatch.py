@@ -170,7 +170,8 @@ def check_arch(arch: str):
 
 def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                  keep_cubin: bool = False, local: bool = False, softcap: bool = False,
-                 alibi: bool = False, paged: bool = False, **cfg_overrides):
+                 alibi: bool = False, paged: bool = False, sink: bool = False,
+                 **cfg_overrides):
     """Compile one forward variant as a TVM-FFI function: it takes torch tensors directly and
     launches on torch's current stream, with the argument checks done in C++ (the generic
     Python argument path of the DSL cost ~200 us per call, more than a short kernel)."""
@@ -181,13 +182,14 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     check_arch(arch)
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen, local, softcap,
-                          alibi, paged)
+                          alibi, paged, sink)
     return compile_kernel(kernel, fwd_compile_args(dtype_name, cfg, varlen, local, softcap,
-                                                   alibi, paged), keep_cubin)
+                                                   alibi, paged, sink), keep_cubin)
 
 
 def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool, local: bool = False,
-                     softcap: bool = False, alibi: bool = False, paged: bool = False):
+                     softcap: bool = False, alibi: bool = False, paged: bool = False,
+                     sink: bool = False):
     """The forward's arguments at compile time (fake tensors, runtime scalars), in the order
     of FlashFwdSm90.__call__ less its stream; a launch passes None exactly where these are None
     (tests/test_launch_args.py checks the launches against the compiles)."""
@@ -204,7 +206,8 @@ def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool, local: b
     return (*tensors, cutlass.Float32(1.0), *sections, *varlen_args, max_ctas, counter, *split,
             *window, cutlass.Float32(1.0) if softcap else NO_SOFTCAP,
             fake_slopes() if alibi else None,
-            *((_fake_block_table(), cutlass.Int32(1)) if paged else NO_PAGED))
+            *((_fake_block_table(), cutlass.Int32(1)) if paged else NO_PAGED),
+            fake_sinks() if sink else None)
 
 
 def _fake_block_table():
@@ -213,6 +216,21 @@ def _fake_block_table():
     import cutlass.cute as cute
     return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
                                          (cute.sym_int64(), 1), assumed_align=4)
+
+
+def fake_sinks():
+    """Learnable sinks at compile time: fp32 (heads,), compact (sinks_f32)."""
+    import cutlass
+    import cutlass.cute as cute
+    return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),),
+                                                 assumed_align=4)
+
+
+def sinks_f32(learnable_sink):
+    """The kernels' fp32 (heads,) sinks (a no-op for a contiguous fp32 tensor), or None."""
+    if learnable_sink is None:
+        return None
+    return learnable_sink.detach().float().contiguous()
 
 
 def fake_slopes():
@@ -280,21 +298,22 @@ def compile_kernel(fn, args, keep=False):
 def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                    persistent: bool = False, dynamic: bool = False, narrow: bool = False,
                    own_o: bool = False, split: bool = False, local: bool = False,
-                   softcap: bool = False, alibi: bool = False, paged: bool = False):
+                   softcap: bool = False, alibi: bool = False, paged: bool = False,
+                   sink: bool = False):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
     own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail; local: a sliding
     window (causal kernels; window_bounds); softcap: scores capped by tanh (softmax_scales);
     alibi: ALiBi's distance bias (alibi_slopes2d); paged: K / V read through a block table
-    (varlen, PAGED_HEAD_DIMS)."""
+    (varlen, PAGED_HEAD_DIMS); sink: learnable sinks (sinks_f32)."""
     flags = kernel_flags(persistent, dynamic, narrow, own_o, split, local, softcap, alibi,
-                         paged)
+                         paged, sink)
     env = fwd_env_overrides()
     key = ("fwd", arch, dtype_name, d, causal, varlen) + flags + env
     with _cache_lock:
         if key not in _cache:
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, local=local,
-                                       softcap=softcap, alibi=alibi, paged=paged,
+                                       softcap=softcap, alibi=alibi, paged=paged, sink=sink,
                                        **{**kernel_overrides(d, causal, varlen, flags),
                                           **dict(env)})
         return _cache[key]
@@ -316,13 +335,13 @@ def fwd_env_overrides() -> tuple:
 
 
 def kernel_flags(persistent, dynamic, narrow, own_o, split, local=False, softcap=False,
-                 alibi=False, paged=False) -> tuple:
+                 alibi=False, paged=False, sink=False) -> tuple:
     """get_fwd_kernel's flags that are on, in its key's order (own_o: persistent only)."""
     return ((("persistent",) if persistent else ()) + (("dynamic",) if dynamic else ())
             + (("narrow",) if narrow else ()) + (("own_o",) if own_o and persistent else ())
             + (("split",) if split else ()) + (("local",) if local else ())
             + (("softcap",) if softcap else ()) + (("alibi",) if alibi else ())
-            + (("paged",) if paged else ()))
+            + (("paged",) if paged else ()) + (("sink",) if sink else ()))
 
 
 def kernel_overrides(d: int, causal: bool, varlen: bool, flags: tuple) -> dict:
@@ -465,7 +484,7 @@ def _device_arch(device: torch.device) -> str:
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool,
         window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-        seqused_q=None, seqused_k=None, block_table=None):
+        seqused_q=None, seqused_k=None, block_table=None, learnable_sink=None):
     """Forward attention. Returns ``(out, lse)``.
 
     Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse fp32 (b, h, sq).
@@ -473,6 +492,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     Paged varlen (block_table int32 (b, max_pages), paged_in_place): k/v are pools of pages
     (pages, page_size, hk, d), sequence b's keys its pages' first seqused_k[b] rows
     (seqused_k required; cu_seqlens_k is not read).
+    learnable_sink (h,): one more logit per head in every row's softmax denominator, with no
+    value (its LSE included: the backward reads it as is).
     """
     why = unsupported_fwd_option(dropout_p=dropout_p)
     if why is not None:
@@ -481,7 +502,8 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
         return _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                            max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap,
-                           alibi_slopes=alibi_slopes, block_table=block_table)
+                           alibi_slopes=alibi_slopes, block_table=block_table,
+                           learnable_sink=learnable_sink)
     if block_table is not None:
         raise ValueError("block_table: varlen calls only (cu_seqlens_q, seqused_k)")
     b, sq, h, d = q.shape
@@ -491,9 +513,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    if sk == 0:  # no keys: every row is fully masked
+    sink = sinks_f32(learnable_sink)
+    if sk == 0:  # no keys: every row is fully masked (with sinks, they alone count)
         out.zero_()
-        lse.fill_(-math.inf)
+        lse.copy_(sink[:, None].expand(b, h, sq)) if sink is not None else lse.fill_(-math.inf)
         return out, lse
     arch = _device_arch(q.device)
     plan = fwd_plan(d, bool(causal), b * h, sq, sk, q.device, window=window)
@@ -501,7 +524,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
                             persistent=plan.ctas is not None, dynamic=plan.dynamic,
                             narrow=plan.narrow, own_o=plan.own_o, split=plan.split,
                             local=window is not None, softcap=softcap > 0,
-                            alibi=alibi_slopes is not None)
+                            alibi=alibi_slopes is not None, sink=sink is not None)
     num_tiles = -(-sq // plan.tile_m) * b * h
     sections = l2_sections(sk, d, q.element_size(), b * h, num_tiles // (b * h),
                            plan.ctas or num_sms(q.device), causal, fwd_l2_budget(causal))
@@ -513,7 +536,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     kernel(q.detach(), k.detach(), v.detach(), out, lse, scale_log2, *sections, *NO_VARLEN,
            plan.ctas, tile_counter(q.device) if plan.dynamic else None, *split,
            *(window or NO_WINDOW), softcap_scale, alibi_slopes2d(alibi_slopes, b, h),
-           *NO_PAGED)
+           *NO_PAGED, sink)
     return out, lse
 
 
@@ -611,7 +634,7 @@ def tile_counter(device):
 
 def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                 max_seqlen_k, *, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None, block_table=None):
+                alibi_slopes=None, block_table=None, learnable_sink=None):
     """Packed sequences: q (total_q, h, d), k/v (total_k, hk, d) -> out, lse (h, total_q).
 
     Rows of a sequence past seqused_q are not written by the kernel (FlashAttention leaves them
@@ -627,8 +650,14 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     else:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    if total_q == 0 or k.shape[0] == 0:  # nothing to compute, or no keys anywhere (a TMA
-        return out, lse                  # descriptor needs a non-empty K): out 0, lse -inf
+    sink = sinks_f32(learnable_sink)
+    if total_q == 0:
+        return out, lse
+    if k.shape[0] == 0:  # no keys anywhere (a TMA descriptor needs a non-empty K)
+        if sink is None:
+            return out, lse  # out 0, lse -inf
+        # The sinks still count: one zero key row, outside every sequence (cu_seqlens_k 0).
+        k = v = k.new_zeros((1, *k.shape[1:]))
     paged = NO_PAGED
     if block_table is not None:
         if seqused_k is None or not paged_in_place(d, k.shape[1]):
@@ -645,7 +674,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
                             persistent=ctas is not None, dynamic=dynamic,
                             own_o=fwd_own_o(d, causal, max_seqlen_k), local=window is not None,
                             softcap=softcap > 0, alibi=alibi_slopes is not None,
-                            paged=block_table is not None)
+                            paged=block_table is not None, sink=sink is not None)
     # cu_seqlens[b + 1] >= cu_seqlens[b + 1] - cu_seqlens[b]: as seqused it changes nothing.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k
@@ -657,7 +686,7 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     kernel(q.detach(), k.detach(), v.detach(), out, lse, scale_log2, section, None,
            cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
            tile_counter(q.device) if dynamic else None, *NO_SPLIT, *(window or NO_WINDOW),
-           softcap_scale, alibi_slopes2d(alibi_slopes, batch, h), *paged)
+           softcap_scale, alibi_slopes2d(alibi_slopes, batch, h), *paged, sink)
     return out, lse
 
 

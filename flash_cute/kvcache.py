@@ -340,7 +340,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False, *, validate_cache_seqlens=False):
+                            return_softmax_lse=False, *, learnable_sink=None,
+                            validate_cache_seqlens=False):
     """Attention of q over a KV cache, appending new tokens first (FA2's signature).
 
     q (b, sq, h, d); k_cache / v_cache (b_cache, s_cache, hk, d), h % hk == 0. k / v
@@ -364,6 +365,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     128 x 2^n rows at head dims 64 / 96 / 128 are read in place (dispatch.paged_in_place);
     other page sizes and head dims, and traced calls, read a gathered copy of each
     sequence's pages.
+    learnable_sink (h,): as in flash_attn_func (gpt-oss serving); folded into the result
+    after the attention (_add_sinks), so it works with every path above.
     validate_cache_seqlens=True (or FLASH_CUTE_DEBUG=1) checks that the lengths fit the cache
     (cache_leftpad <= cache_seqlens, cache_seqlens + s_new <= s_cache) at the cost of a sync;
     an int cache_seqlens is always checked.
@@ -393,6 +396,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     softmax_scale = validation.check_softmax_scale(softmax_scale, d)
     softcap = validation.check_softcap(softcap)
     validation.check_alibi_slopes(alibi_slopes, b, h, q.device)
+    validation.check_learnable_sink(learnable_sink, h, q.device)
     # A paged cache's sequences hold up to max_pages * page_size rows.
     s_cache = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
     hk = k_cache.shape[2]
@@ -417,6 +421,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if sq == 0 or s_cache == 0:  # nothing to attend with or to (the arange steps below > 0)
         out = q.new_zeros(b, sq, h, d)
         lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=dev)
+        if learnable_sink is not None:
+            out, lse = _add_sinks(out, lse, learnable_sink)
         return (out, lse) if return_softmax_lse else out
     with torch.no_grad():
         if rotary_cos is not None:
@@ -479,10 +485,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = out.view(b, sq, g, hk, d).transpose(2, 3).reshape(b, sq, h, d)
     else:
         out = out.view(b, sq, h, d)
-    if not return_softmax_lse:
+    if not return_softmax_lse and learnable_sink is None:
         return out
     if pack:
         lse = lse.view(hk, b, sq, g).permute(1, 0, 3, 2).reshape(b, h, sq)
     else:
         lse = lse.view(h, b, sq).transpose(0, 1).contiguous()
-    return out, lse
+    if learnable_sink is not None:
+        out, lse = _add_sinks(out, lse, learnable_sink)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _add_sinks(out, lse, learnable_sink):
+    """Fold learnable sinks into a finished attention: lse' = logaddexp(lse, sink[h]) and
+    out' = out * exp(lse - lse'). Afterwards rather than in the kernel, because GQA packing
+    puts several query heads (sinks) in one kernel head and split-KV chunks must not each
+    count the sink. A row with no key and a -inf sink keeps out 0 (0 * NaN avoided)."""
+    with torch.no_grad():
+        lse_new = torch.logaddexp(lse, learnable_sink.float()[None, :, None])
+        keep = torch.exp(lse - lse_new).nan_to_num_(0.0)  # (b, h, sq)
+        out = (out.float() * keep.transpose(1, 2)[..., None]).to(out.dtype)
+    return out, lse_new

@@ -307,6 +307,23 @@ def check_alibi_slopes(alibi_slopes, batch, nheads, device):
     check_device("alibi_slopes", alibi_slopes, device, require_cuda=False)
 
 
+SINK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_learnable_sink(learnable_sink, nheads, device):
+    """One logit per query head, (nheads,), fp32 / fp16 / bf16, on the device."""
+    if learnable_sink is None:
+        return
+    check_tensor("learnable_sink", learnable_sink)
+    if learnable_sink.dtype not in SINK_DTYPES:
+        raise TypeError(f"learnable_sink must have dtype float32, float16 or bfloat16, got "
+                        f"{learnable_sink.dtype}")
+    if tuple(learnable_sink.shape) != (nheads,):
+        raise ValueError(f"learnable_sink must have shape (nheads,) = ({nheads},), got "
+                         f"{tuple(learnable_sink.shape)}")
+    check_device("learnable_sink", learnable_sink, device, require_cuda=False)
+
+
 def check_flag(name, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -316,7 +333,8 @@ def check_flag(name, value):
 def validate_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, cu_seqlens_q=None,
                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
-                 seqused_k=None, validate_cu_seqlens=False, require_cuda=True):
+                 seqused_k=None, learnable_sink=None, validate_cu_seqlens=False,
+                 require_cuda=True):
     """Run every check for one forward call. Returns a dict of the normalised options."""
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     h, _, d = check_qkv(q, k, v, varlen=varlen, require_cuda=require_cuda)
@@ -335,9 +353,10 @@ def validate_fwd(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, 
     causal = check_flag("causal", causal)
     window_size = check_window_size(window_size)
     check_alibi_slopes(alibi_slopes, batch, h, q.device)
+    check_learnable_sink(learnable_sink, h, q.device)
     return dict(
         softmax_scale=check_softmax_scale(softmax_scale, d), causal=causal,
         window_size=window_size, softcap=check_softcap(softcap), alibi_slopes=alibi_slopes,
         dropout_p=check_dropout_p(dropout_p), cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        seqused_q=seqused_q, seqused_k=seqused_k)
+        seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink)

@@ -47,10 +47,12 @@ def standin(monkeypatch):
     """Run the public API on CPU with dispatch.fwd = the reference; records each call."""
     calls = []
 
-    def fwd(q, k, v, *, dropout_p=0.0, max_seqlen_q=None, max_seqlen_k=None, **kw):
+    def fwd(q, k, v, *, dropout_p=0.0, max_seqlen_q=None, max_seqlen_k=None,
+            learnable_sink=None, **kw):
         calls.append(dict(q=q, k=k, v=v, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                          **kw))
-        out, lse = attention_ref(q, k, v, **kw)
+                          learnable_sink=learnable_sink, **kw))
+        sink = None if learnable_sink is None else learnable_sink.detach().float()
+        out, lse = attention_ref(q, k, v, sink=sink, **kw)
         # dispatch.fwd returns out contiguous, and the op's fake impl says so to torch.compile.
         return out.contiguous(), lse
 

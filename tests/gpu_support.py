@@ -45,8 +45,10 @@ def _cpu_standin():
         yield
         return
 
-    def fwd(q, k, v, *, dropout_p=0.0, max_seqlen_q=None, max_seqlen_k=None, **kw):
-        out, lse = attention_ref(q, k, v, **kw)
+    def fwd(q, k, v, *, dropout_p=0.0, max_seqlen_q=None, max_seqlen_k=None,
+            learnable_sink=None, **kw):
+        sink = None if learnable_sink is None else learnable_sink.detach().float()
+        out, lse = attention_ref(q, k, v, sink=sink, **kw)
         return out.to(q.dtype), lse
 
     with pytest.MonkeyPatch.context() as mp:

@@ -226,6 +226,33 @@ def test_fwd_alibi_variant_compiles(d, causal, varlen, flags, tmp_path, monkeypa
 ALIBI_SPILL_WORDS = {(64, True): 1}
 
 
+# Learnable sinks change only the epilogue's finalize, shared by every kernel: their twins of
+# one kernel per walk (one tile per CTA, narrow, persistent varlen, split tail, dynamic
+# varlen) and of a paged kernel (CI time: not all 42).
+SINK = [(128, False, False, ()), (64, True, False, ("narrow",)),
+        (64, False, True, ("persistent", "own_o")),
+        (96, False, False, ("persistent", "own_o", "split")),
+        (192, True, True, ("persistent", "dynamic")),
+        (128, True, True, ("persistent", "dynamic", "own_o", "paged"))]
+
+
+@pytest.mark.parametrize("d,causal,varlen,flags", SINK, ids=lambda v: str(v))
+def test_fwd_sink_variant_compiles(d, causal, varlen, flags, tmp_path, monkeypatch):
+    """The sink twin: the plain kernel's HGMMA, more MUFU (the sink's exp2s), no new spills,
+    wgmma not serialized."""
+    monkeypatch.chdir(tmp_path)
+    overrides = dispatch.kernel_overrides(d, causal, varlen, flags)
+    paged = "paged" in flags
+    twins = [sass_opcodes(dispatch._compile_fwd(
+        ARCH, "BFloat16", d, causal, varlen, keep_cubin=True, paged=paged, sink=sink,
+        **overrides).__cubin__, tmp_path) for sink in (False, True)]
+    plain, ops = twins
+    assert ops.get("HGMMA", 0) == plain.get("HGMMA", 0) > 0, (ops.get("HGMMA"), plain)
+    assert ops.get("MUFU", 0) > plain.get("MUFU", 0), "no exp2 for the sink"
+    assert ops.get("STL", 0) <= plain.get("STL", 0), ops.get("STL")
+    assert_wgmma_not_serialized(ops)
+
+
 def test_local_needs_a_plain_causal_config():
     """The local kernel is a causal one without half_edge."""
     for causal, cfg in ((False, {"half_edge": False}), (True, {})):

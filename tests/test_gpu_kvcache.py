@@ -38,7 +38,7 @@ def case_id(c):
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_kvcache_against_oracle(case, num_splits=0, nan_outside=False):
+def test_kvcache_against_oracle(case, num_splits=0, nan_outside=False, sink=None):
     b, sq, h, hk, d, s, s_new, causal, window, cap, alibi, leftpad, bidx, rot = case
     g = torch.Generator(device=DEVICE).manual_seed(7)
     bc = b + 2 if bidx else b
@@ -70,19 +70,30 @@ def test_kvcache_against_oracle(case, num_splits=0, nan_outside=False):
                 cache[c, end:] = float("nan")
                 cache[c, :0 if lp is None else int(lp[i])] = float("nan")
     refs = [kvcache_ref(q, k_cache, v_cache, k, v, seqlens, batch_idx, lp, rotary, causal,
-                        window, cap, slopes, upcast=up) for up in (True, False)]
+                        window, cap, slopes, upcast=up, sink=sink) for up in (True, False)]
     poison_allocator()
     out, lse = flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
         cache_batch_idx=batch_idx.int() if bidx else None, cache_leftpad=lp, causal=causal,
         window_size=window, softcap=cap, alibi_slopes=slopes, return_softmax_lse=True,
-        num_splits=num_splits, **kw)
+        num_splits=num_splits, learnable_sink=sink, **kw)
     (want, want_lse, want_k, want_v), (low, low_lse, _, _) = refs
     # rotated: fp32 rounding
     torch.testing.assert_close(k_cache, want_k, rtol=2 ** -7, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0, equal_nan=True)
     check_close(out, want, low, name="out")
     check_close(lse, want_lse, low_lse, name="lse")
+
+
+@pytest.mark.parametrize("i,num_splits", [(0, 0), (1, 3), (3, 0), (7, 16), (9, 0)])
+def test_kvcache_learnable_sinks(i, num_splits):
+    """Sinks fold in after the attention (kvcache._add_sinks): packed GQA decode, forced and
+    automatic split-KV, a window, leftpad and batch_idx."""
+    h = CASES[i][2]
+    g = torch.Generator(device=DEVICE).manual_seed(i)
+    sink = torch.randn(h, generator=g, device=DEVICE) * 2 + 4
+    sink[0] = float("-inf")
+    test_kvcache_against_oracle(CASES[i], num_splits, sink=sink)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16])

@@ -579,3 +579,90 @@ def test_torch_compile_score_mod_fullgraph(standin, opts):
     assert standin[-1][name] is value or standin[-1][name] == value
     for a, b in zip(got, torch.autograd.grad(loss(*args), args)):
         assert torch.equal(a, b)
+
+
+# ---- learnable sinks through both paths
+
+def _sink_ref_grads(q, k, v, sink, dout, **kw):
+    """(dq, dk, dv, dsink) of the fp32 oracle by plain autograd."""
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v, sink)]
+    out, _ = attention_ref(*leaves[:3], sink=leaves[3], **kw)
+    return torch.autograd.grad(out, leaves, dout.float())
+
+
+@pytest.mark.parametrize("sink_dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_eager_grads(standin, causal, sink_dtype):
+    """learnable_sink reaches the forward as an autograd input, and the (interim) backward
+    gives its gradient in its dtype, batched (sq > sk causal: rows with no key) and varlen."""
+    sink = (torch.randn(4) + 1).to(sink_dtype).requires_grad_()
+    q, k, v = rand(2, 9, 4, 64), rand(2, 6, 2, 64, seed=1), rand(2, 6, 2, 64, seed=2)
+    dout = rand(2, 9, 4, 64, seed=3, grad=False)
+    out = flash_cute.flash_attn_func(q, k, v, causal=causal, learnable_sink=sink)
+    assert standin[-1]["learnable_sink"] is sink
+    got = torch.autograd.grad(out, (q, k, v, sink), dout)
+    assert got[3].dtype == sink_dtype
+    want = _sink_ref_grads(q, k, v, sink, dout, causal=causal)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.to(g.dtype), **ONE_BF16_STEP)
+    cu, used, q, k, v = _varlen_case()
+    out = flash_cute.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=causal,
+                                            learnable_sink=sink, seqused_q=used, seqused_k=used)
+    dout = rand(*out.shape, seed=4, grad=False)
+    got = torch.autograd.grad(out, (q, k, v, sink), dout)
+    want = _sink_ref_grads(q, k, v, sink, dout, causal=causal, cu_seqlens_q=cu,
+                           cu_seqlens_k=cu, seqused_q=used, seqused_k=used)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w.to(g.dtype), **ONE_BF16_STEP)
+
+
+def test_sink_without_grad_takes_no_autograd(standin):
+    """A sink that needs no gradient with q / k / v that need none: the plain forward."""
+    q, k, v = (rand(1, 4, 2, 64, grad=False), rand(1, 4, 2, 64, seed=1, grad=False),
+               rand(1, 4, 2, 64, seed=2, grad=False))
+    out = flash_cute.flash_attn_func(q, k, v, learnable_sink=torch.zeros(2))
+    assert out.grad_fn is None
+
+
+def test_opcheck_sink(standin):
+    q, k, v = (rand(2, 5, 4, 64, grad=False), rand(2, 7, 2, 64, seed=1, grad=False),
+               rand(2, 7, 2, 64, seed=2, grad=False))
+    args = (0.3, True, False, -1, -1, 0.0, None, torch.randn(4))
+    torch.library.opcheck(torch.ops.flash_cute.fwd.default, (q, k, v, *args),
+                          test_utils=OPCHECK_TESTS)
+    out, lse = torch.ops.flash_cute.fwd(q, k, v, *args)
+    dout = rand(2, 5, 4, 64, seed=3, grad=False)
+    torch.library.opcheck(torch.ops.flash_cute.bwd.default,
+                          (dout, q, k, v, out, lse, *args), test_utils=OPCHECK_TESTS)
+    cu, used, q, k, v = _varlen_case()
+    q, k, v = (t.detach() for t in (q, k, v))
+    vargs = (q, k, v, cu, cu, used, used, 6, 6, *args)
+    torch.library.opcheck(torch.ops.flash_cute.varlen_fwd.default, vargs,
+                          test_utils=OPCHECK_TESTS)
+    out, lse = torch.ops.flash_cute.varlen_fwd(*vargs)
+    torch.library.opcheck(torch.ops.flash_cute.varlen_bwd.default,
+                          (dout[0, :1].expand(14, 4, 64).contiguous(), q, k, v, out, lse,
+                           *vargs[3:]), test_utils=OPCHECK_TESTS)
+
+
+def test_torch_compile_sink_fullgraph(standin):
+    """torch.compile over a call with a trainable sink: one graph, and the eager gradients
+    (dsink included) bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def loss(q, k, v, s):
+        out = flash_cute.flash_attn_func(q, k, v, causal=True, learnable_sink=s)
+        return out.float().square().mean()
+
+    args = (rand(2, 6, 4, 64), rand(2, 8, 2, 64, seed=1), rand(2, 8, 2, 64, seed=2),
+            torch.randn(4, requires_grad=True))
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=counter)(*args),
+                                  args)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1 and "flash_cute.fwd" in counter.graphs[0].code
+    for a, b in zip(got, torch.autograd.grad(loss(*args), args)):
+        assert torch.equal(a, b)

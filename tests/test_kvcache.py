@@ -32,7 +32,7 @@ def rotary_ref(x, cos, sin, pos, interleaved):
 
 
 def kvcache_ref(q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, rotary, causal,
-                window, softcap, slopes, upcast=True):
+                window, softcap, slopes, upcast=True, sink=None):
     """One sequence at a time: rotate, append to copies of the caches, attend (upcast: the
     fp32 oracle, else the same math in the input dtype)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
@@ -57,7 +57,7 @@ def kvcache_ref(q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, rotary, 
         lo = 0 if leftpad is None else int(leftpad[i])
         kk, vv = k_cache[c, lo:n + s_new], v_cache[c, lo:n + s_new]
         o, lse = attention_ref(qi[None], kk[None], vv[None], causal=causal, window_size=window,
-                               softcap=softcap, alibi_slopes=slopes,
+                               softcap=softcap, alibi_slopes=slopes, sink=sink,
                                upcast=upcast)
         outs.append(o[0])
         lses.append(lse[0])
@@ -85,7 +85,8 @@ def cases(draw):
                 leftpad=leftpad, rotary=rotary, batch_idx=draw(st.booleans()),
                 causal=draw(st.booleans()), window=draw(st.sampled_from([(-1, -1), (3, 0)])),
                 softcap=draw(st.sampled_from([0.0, 5.0])), alibi=draw(st.booleans()),
-                splits=draw(st.sampled_from([0, 2, 5])), seed=draw(st.integers(0, 2 ** 16)))
+                splits=draw(st.sampled_from([0, 2, 5])), sink=draw(st.booleans()),
+                seed=draw(st.integers(0, 2 ** 16)))
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # stateless use
@@ -110,10 +111,11 @@ def test_kvcache_matches_per_sequence_reference(standin, c):
         rotary = (theta.cos(), theta.sin(), inter)
         kw = dict(rotary_cos=rotary[0], rotary_sin=rotary[1], rotary_interleaved=inter)
     slopes = torch.rand(h, generator=gen) if c["alibi"] else None
+    sink = torch.randn(h, generator=gen) * 2 if c["sink"] else None
     k_cache_0, v_cache_0 = k_cache.clone(), v_cache.clone()
     want, want_lse, want_k, want_v = kvcache_ref(q, k_cache, v_cache, k, v, seqlens, batch_idx,
                                                  leftpad, rotary, c["causal"], c["window"],
-                                                 c["softcap"], slopes)
+                                                 c["softcap"], slopes, sink=sink)
     splittable = ((c["sq"] == 1 or not c["causal"]) and c["window"] == (-1, -1)
                   and not c["alibi"])
     out, lse = flash_cute.flash_attn_with_kvcache(
@@ -121,13 +123,15 @@ def test_kvcache_matches_per_sequence_reference(standin, c):
         cache_batch_idx=batch_idx.int() if c["batch_idx"] else None, cache_leftpad=leftpad,
         causal=c["causal"], window_size=c["window"], softcap=c["softcap"], alibi_slopes=slopes,
         return_softmax_lse=True, validate_cache_seqlens=True,
-        num_splits=c["splits"] if splittable else 0, **kw)
+        num_splits=c["splits"] if splittable else 0, learnable_sink=sink, **kw)
     assert out.shape == q.shape and lse.shape == (b, h, c["sq"]) and lse.is_contiguous()
     torch.testing.assert_close(k_cache, want_k, **ONE_BF16_STEP)  # appended in place (rotated)
     torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0)
-    if c["splits"] and splittable:  # chunks round to bf16 before the merge: the FA rule
+    # Chunks round to bf16 before the merge, sinks fold in after the attention: the FA rule.
+    if (c["splits"] and splittable) or sink is not None:
         low = kvcache_ref(q, k_cache_0, v_cache_0, k, v, seqlens, batch_idx, leftpad, rotary,
-                          c["causal"], c["window"], c["softcap"], slopes, upcast=False)[0]
+                          c["causal"], c["window"], c["softcap"], slopes, upcast=False,
+                          sink=sink)[0]
         check_close(out, want, low)
     else:
         torch.testing.assert_close(out, want, **ONE_BF16_STEP)

@@ -97,8 +97,8 @@ def test_window_launches_match_compile(launched, monkeypatch, d, window, walk):
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:  # the window, then softcap_scale and the slopes (None: neither)
-        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-6:-4])
-        assert launch.args[-4:] == (None,) * 4  # no paging either
+        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-7:-5])
+        assert launch.args[-5:] == (None,) * 5  # no paging or sinks either
 
 
 @pytest.mark.parametrize("walk,split", WALKS)
@@ -117,8 +117,30 @@ def test_softcap_launches_match_compile(launched, monkeypatch, d, window, walk, 
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:
-        assert launch.args[-4] == pytest.approx(0.1 / 20.0) and launch.args[-3] is None
+        assert launch.args[-5] == pytest.approx(0.1 / 20.0) and launch.args[-4] is None
         assert launch.args[5] == pytest.approx(20.0 * dispatch.LOG2E)
+
+
+@pytest.mark.parametrize("walk,split", WALKS)
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16])
+def test_sink_launches_match_compile(launched, monkeypatch, walk, split, sink_dtype):
+    """Learnable sinks, batched and varlen, over every walk: the sinks go last as a
+    contiguous fp32 (heads,) tensor (the same one when given so)."""
+    monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, walk)
+    monkeypatch.setenv(dispatch.SPLIT_TAIL_ENV, split)
+    sink = torch.randn(4).to(sink_dtype)
+    q, k, v = _qkv((2, 700, 4, 128), (2, 2500, 2, 128))
+    dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False, learnable_sink=sink)
+    cu = torch.tensor([0, 300, 1200], dtype=torch.int32)
+    q, k, v = _qkv((1200, 4, 128), (1200, 2, 128))
+    dispatch.fwd(q, k, v, softmax_scale=0.1, causal=True, learnable_sink=sink,
+                 cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
+    assert len(launched) == 2
+    for launch in launched:
+        got = launch.args[-1]
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        assert torch.equal(got, sink.float())
+        assert got.data_ptr() == sink.data_ptr() or sink_dtype != torch.float32  # no copy
 
 
 @pytest.mark.parametrize("walk,split", WALKS)
@@ -138,7 +160,7 @@ def test_alibi_launches_match_compile(launched, monkeypatch, d, slopes_2d, walk,
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:
-        got = launch.args[-3]
+        got = launch.args[-4]
         assert got.shape == (2, 4) and got.is_contiguous() and got.dtype == torch.float32
         assert torch.equal(got, slopes.expand(2, 4))
 
@@ -182,8 +204,8 @@ def test_paged_launch_matches_compile(launched, monkeypatch, d, page, causal, wa
     dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal, cu_seqlens_q=cu,
                  cu_seqlens_k=cu * 2 * page, max_seqlen_q=1, max_seqlen_k=2 * page,
                  seqused_k=used, block_table=table)
-    assert len(launched) == 1 and launched[0].args[-2] is table
-    assert launched[0].args[-1] == (page // dispatch.PAGED_TILE_N).bit_length() - 1
+    assert len(launched) == 1 and launched[0].args[-3] is table
+    assert launched[0].args[-2] == (page // dispatch.PAGED_TILE_N).bit_length() - 1
     assert launched[0].args[1].shape == (5 * page, 2, d)  # the pool's rows
 
 

@@ -306,6 +306,20 @@ def test_alibi_slopes():
         check(q, k, v, alibi_slopes=torch.zeros(3, 4))
 
 
+def test_learnable_sink():
+    q, k, v = batched(b=2, h=4)
+    for dtype in (torch.float32, torch.float16, BF16):
+        check(q, k, v, learnable_sink=torch.zeros(4, dtype=dtype))
+    with pytest.raises(TypeError, match="learnable_sink must have dtype float32, float16 or "
+                                        "bfloat16, got torch.int32"):
+        check(q, k, v, learnable_sink=torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"learnable_sink must have shape \(nheads,\) = "
+                                         r"\(4,\), got \(2, 4\)"):
+        check(q, k, v, learnable_sink=torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="learnable_sink must be a torch.Tensor"):
+        check(q, k, v, learnable_sink=[0.0] * 4)
+
+
 def test_flags(on_cpu):
     with pytest.raises(TypeError, match="causal must be a bool, got int"):
         check(*batched(), causal=1)

@@ -6,6 +6,7 @@ over the 4 threads of a quad, so row reductions are two butterfly shuffles. The 
 thread-local until ``finalize`` (the quad reduction is needed only once per tile).
 """
 import math
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -117,16 +118,33 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def finalize(self, lse: cute.Tensor) -> cute.Tensor:
-        """Write each row's natural-log LSE into ``lse``; return 1/row_sum (0 for empty rows)."""
+    def finalize(self, lse: cute.Tensor, sink_log2: Optional[Float32] = None) -> cute.Tensor:
+        """Write each row's natural-log LSE into ``lse``; return 1/row_sum (0 for empty rows).
+
+        ``sink_log2`` (a learnable sink: one more logit per head, in exp2 units, with no value
+        vector) joins every row's denominator. It is added in the frame of max(row max, sink)
+        so that neither term overflows; an empty row then gets O = 0 and LSE = the sink."""
         inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=THREADS_PER_ROW)
-            empty = total == Float32(0.0) or total != total
-            inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
-            lse[r] = (-Float32.inf if empty else
-                      (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True))
-                      * Float32(LN2))
+            if const_expr(sink_log2 is None):
+                empty = total == Float32(0.0) or total != total
+                inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
+                lse[r] = (-Float32.inf if empty else
+                          (self.row_max[r] * self.scale_log2
+                           + cute.math.log2(total, fastmath=True)) * Float32(LN2))
+            else:
+                # An empty row's max is -inf (or stale with total 0): its weight must be 0.
+                m = self.row_max[r] * self.scale_log2 if total != Float32(0.0) \
+                    else -Float32.inf
+                top = cute.arch.fmax(m, sink_log2)
+                top = top if top != -Float32.inf else Float32(0.0)  # a -inf sink, empty row
+                keep = cute.math.exp2(m - top, fastmath=True)  # 0 for an empty row
+                total = total * keep + cute.math.exp2(sink_log2 - top, fastmath=True)
+                gone = total == Float32(0.0)  # an empty row and a -inf sink: no mass at all
+                inv_sum[r] = Float32(0.0) if gone else keep * cute.arch.rcp_approx(total)
+                lse[r] = -Float32.inf if gone else \
+                    (top + cute.math.log2(total, fastmath=True)) * Float32(LN2)
         return inv_sum
 
 

@@ -166,7 +166,7 @@ class Barrier(enum.IntEnum):
 class FlashFwdSm90:
     def __init__(self, dtype, cfg: FwdSm90Config, causal: bool, varlen: bool = False,
                  local: bool = False, softcap: bool = False, alibi: bool = False,
-                 paged: bool = False):
+                 paged: bool = False, sink: bool = False):
         """``local``: sliding-window attention, a causal kernel whose diagonal and left edge
         come from the runtime window_left / window_right (block_info); its tiles are walked
         as causal ones are. ``softcap``: scores become tanh(s * softcap_scale) before the
@@ -176,7 +176,8 @@ class FlashFwdSm90:
         ``paged`` (varlen): K / V are pools of pages, key block n of sequence b at the pool's
         block (table[b, n >> page_shift] << page_shift) + n % 2^page_shift (tile_n-row
         blocks; pages of tile_n << page_shift rows: shifts keep the load warp's 24
-        registers unspilled), its length seqused_k[b]."""
+        registers unspilled), its length seqused_k[b]. ``sink``: a learnable sink per head
+        (runtime fp32 logits) joins every row's softmax denominator (softmax.finalize)."""
         self.dtype = dtype
         self.cfg = cfg
         self.causal = causal
@@ -185,6 +186,7 @@ class FlashFwdSm90:
         self.softcap = softcap
         self.alibi = alibi
         self.paged = paged
+        self.sink = sink
         if paged and not varlen:
             raise ValueError("paged: a varlen kernel (the block table is per sequence)")
         if local and (not causal or cfg.halves_edge or cfg.split_tail):
@@ -215,7 +217,8 @@ class FlashFwdSm90:
                  mTileFlags: Optional[cute.Tensor], window_left: Optional[Int32],
                  window_right: Optional[Int32], softcap_scale: Optional[Float32],
                  mSlopes: Optional[cute.Tensor], mBlockTable: Optional[cute.Tensor],
-                 page_shift: Optional[Int32], stream: cuda.CUstream):
+                 page_shift: Optional[Int32], mSink: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
@@ -233,7 +236,8 @@ class FlashFwdSm90:
         mSlopes: alibi only (else None), fp32 (batch, heads): ALiBi's slopes as given.
         mBlockTable, page_shift: paged only (else None): int32 (batch, max_pages) pool pages
         per sequence, and log2 of the tile_n-row blocks per page; mK / mV are then the pools as
-        (pages * page_size, hk, d), and mCuSeqlensK is not read."""
+        (pages * page_size, hk, d), and mCuSeqlensK is not read.
+        mSink: sink only (else None), fp32 (heads,): the learnable sinks' logits."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -279,7 +283,7 @@ class FlashFwdSm90:
                     scale_log2, heads_per_section, tail_section, sQ_layout, sK_layout,
                     sV_layout, mma_qk, mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                     mTileCounter, tail_ctas, mPartial, mTileFlags, window_left,
-                    window_right, softcap_scale, mSlopes, mBlockTable, page_shift).launch(
+                    window_right, softcap_scale, mSlopes, mBlockTable, page_shift, mSink).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def make_mma_qk(self, cols: int) -> cute.TiledMma:
@@ -328,11 +332,12 @@ class FlashFwdSm90:
                mPartial: Optional[cute.Tensor], mTileFlags: Optional[cute.Tensor],
                window_left: Optional[Int32], window_right: Optional[Int32],
                softcap_scale: Optional[Float32], mSlopes: Optional[cute.Tensor],
-               mBlockTable: Optional[cute.Tensor], page_shift: Optional[Int32]):
+               mBlockTable: Optional[cute.Tensor], page_shift: Optional[Int32],
+               mSink: Optional[cute.Tensor]):
         self.window = (window_left, window_right) if const_expr(self.local) else None
         self.mBlockTable, self.page_shift = mBlockTable, page_shift
         self.softcap_scale = softcap_scale
-        self.mSlopes = mSlopes
+        self.mSlopes, self.mSink = mSlopes, mSink
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -933,7 +938,8 @@ class FlashFwdSm90:
             # varlen walk and spilled (d=64: 4 bytes; d=256 causal: 56).
             tidx = opaque_thread_idx() - WG_THREADS
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
-        rescale_rows(tOrO, softmax.finalize(lse))
+        sink_log2 = self.mSink[head] * Float32(LOG2E) if const_expr(self.sink) else None
+        rescale_rows(tOrO, softmax.finalize(lse, sink_log2))
         rO = cute.make_rmem_tensor_like(tOrO, self.dtype)
         rO.store(tOrO.load().to(self.dtype))
 
