@@ -6,7 +6,8 @@ backward 2.5x that), so the cap's cost shows as the drop from the uncapped colum
                                   [--cap 30] [--rounds 3] [--alibi]
 
 ``--alibi``: ALiBi's cost instead (flash_cute with and without slopes 2^(-8 i / h); FA4
-has no ALiBi).
+has no ALiBi). ``--sink``: learnable sinks' (fp32 logits around 4, trainable: the backward
+computes dsink), against FA4's ``learnable_sink``.
 
 bf16, 16k tokens per call (batch = 16384 / s), 2048 / d heads, as the grid's cells. Each
 cell first compares the capped outputs of flash_cute and FA4 (max |difference|, a sanity
@@ -29,6 +30,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", nargs="+", default=["fwd"], choices=["fwd", "bwd"])
     p.add_argument("--alibi", action="store_true")
+    p.add_argument("--sink", action="store_true")
     a = p.parse_args()
     try:
         from flash_attn.cute import flash_attn_func as fa4
@@ -45,6 +47,8 @@ def main():
             if a.alibi:
                 mod = dict(alibi_slopes=torch.exp2(-8.0 * torch.arange(1, h + 1,
                                                                        device="cuda") / h))
+            if a.sink:
+                mod = dict(learnable_sink=(torch.randn(h, device="cuda") + 4).requires_grad_())
             for causal in map(bool, a.causal):
                 flops = 4 * d * b * h * s * s / (2 if causal else 1)
                 if "bwd" in a.dir:
@@ -55,13 +59,13 @@ def main():
                     q, k, v, softmax_scale=d ** -0.5, causal=causal, **kw)[0]
                 fns = {"fc": lambda: run(), "fc_mod": lambda: run(**mod)}
                 if fa4 is not None:
-                    fns["fa4_mod"] = lambda: fa4(q, k, v, causal=causal, softcap=a.cap)[0]
+                    fns["fa4_mod"] = lambda: fa4(q, k, v, causal=causal, **mod)[0]
                 diff = float("nan")
                 if "fa4_mod" in fns:
                     try:
                         diff = (fns["fc_mod"]().float() - fns["fa4_mod"]().float()).abs().max()
                     except Exception as e:  # noqa: BLE001 (a peer's refusal ends its column)
-                        print(f"fa4 softcap: {type(e).__name__}: {e}"[:200])
+                        print(f"fa4 {list(mod)[0]}: {type(e).__name__}: {e}"[:200])
                         del fns["fa4_mod"]
                 cells = tflops_cells(flops, time_rounds(fns, a.rounds))
                 print(f"d={d} s={s}{' causal' if causal else ''} {list(mod)[0]}: {cells} "
