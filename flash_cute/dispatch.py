@@ -82,20 +82,29 @@ NO_SOFTCAP = None
 # A paged kernel's block table and log2 of its tile_n-row blocks per page (FlashFwdSm90's
 # last two arguments).
 NO_PAGED = (None,) * 2
-# Paged caches are read in place (a TMA per key block) where a page holds 2^n whole key
-# blocks of the paged kernels' PAGED_TILE_N rows; other page sizes and head dims gather the
-# pages first.
+# Paged caches are read in place where a page holds 2^n whole key blocks of the paged kernels'
+# PAGED_TILE_N rows (a TMA per key block), or is one of SMALL_PAGES (a TMA per page, whole
+# 8-row swizzle groups: vLLM's 16 up); other page sizes and head dims gather the pages first.
 PAGED_TILE_N = 128
 PAGED_HEAD_DIMS = (64, 96, 128)
+SMALL_PAGES = (16, 32, 64)
 
 
 def paged_in_place(d: int, page_size: int) -> bool:
     """Whether the varlen forward reads a paged cache of this head dim and page size in place:
-    pages of PAGED_TILE_N times a power of two rows (else the caller gathers its pages:
-    kvcache.py)."""
+    pages of PAGED_TILE_N times a power of two rows, or SMALL_PAGES (else the caller gathers
+    its pages: kvcache.py)."""
     blocks = page_size // PAGED_TILE_N
-    return (d in PAGED_HEAD_DIMS and page_size % PAGED_TILE_N == 0
-            and blocks & (blocks - 1) == 0)
+    return d in PAGED_HEAD_DIMS and (page_size in SMALL_PAGES or (
+        page_size % PAGED_TILE_N == 0 and blocks & (blocks - 1) == 0))
+
+
+def page_args(block_table, page_size: int):
+    """A paged launch's (block_table, page_shift) and the kernel's page_rows: whole-block pages
+    by log2 of their blocks per page, small ones by their rows (a compile-time count)."""
+    if page_size < PAGED_TILE_N:
+        return (block_table, 0), page_size
+    return (block_table, (page_size // PAGED_TILE_N).bit_length() - 1), 0
 
 
 LOG2E = math.log2(math.e)
@@ -171,7 +180,7 @@ def check_arch(arch: str):
 def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = False,
                  keep_cubin: bool = False, local: bool = False, softcap: bool = False,
                  alibi: bool = False, paged: bool = False, sink: bool = False,
-                 **cfg_overrides):
+                 page_rows: int = 0, **cfg_overrides):
     """Compile one forward variant as a TVM-FFI function: it takes torch tensors directly and
     launches on torch's current stream, with the argument checks done in C++ (the generic
     Python argument path of the DSL cost ~200 us per call, more than a short kernel)."""
@@ -182,7 +191,7 @@ def _compile_fwd(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool 
     check_arch(arch)
     cfg = dataclasses.replace(FwdSm90Config.for_head_dim(d), **cfg_overrides)
     kernel = FlashFwdSm90(getattr(cutlass, dtype_name), cfg, causal, varlen, local, softcap,
-                          alibi, paged, sink)
+                          alibi, paged, sink, page_rows)
     return compile_kernel(kernel, fwd_compile_args(dtype_name, cfg, varlen, local, softcap,
                                                    alibi, paged, sink), keep_cubin)
 
@@ -299,21 +308,24 @@ def get_fwd_kernel(arch: str, dtype_name: str, d: int, causal: bool, varlen: boo
                    persistent: bool = False, dynamic: bool = False, narrow: bool = False,
                    own_o: bool = False, split: bool = False, local: bool = False,
                    softcap: bool = False, alibi: bool = False, paged: bool = False,
-                   sink: bool = False):
+                   sink: bool = False, page_rows: int = 0):
     """dynamic: the persistent kernel's atomic-counter tile order (needs persistent); narrow:
     config.NARROW_FWD[d] (causal, short queries: d=64 fewer rows, d=192 / 256 fewer keys);
     own_o: config.OWN_O (persistent only); split: FwdSm90Config.split_tail; local: a sliding
     window (causal kernels; window_bounds); softcap: scores capped by tanh (softmax_scales);
     alibi: ALiBi's distance bias (alibi_slopes2d); paged: K / V read through a block table
-    (varlen, PAGED_HEAD_DIMS); sink: learnable sinks (sinks_f32)."""
+    (varlen, PAGED_HEAD_DIMS), page_rows: its pages' rows if smaller than a key block
+    (page_args); sink: learnable sinks (sinks_f32)."""
     flags = kernel_flags(persistent, dynamic, narrow, own_o, split, local, softcap, alibi,
                          paged, sink)
     env = fwd_env_overrides()
-    key = ("fwd", arch, dtype_name, d, causal, varlen) + flags + env
+    key = ("fwd", arch, dtype_name, d, causal, varlen) + flags + env + (
+        (("page_rows", page_rows),) if page_rows else ())
     with _cache_lock:
         if key not in _cache:
             _cache[key] = _compile_fwd(arch, dtype_name, d, causal, varlen, local=local,
                                        softcap=softcap, alibi=alibi, paged=paged, sink=sink,
+                                       page_rows=page_rows,
                                        **{**kernel_overrides(d, causal, varlen, flags),
                                           **dict(env)})
         return _cache[key]
@@ -658,14 +670,14 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
             return out, lse  # out 0, lse -inf
         # The sinks still count: one zero key row, outside every sequence (cu_seqlens_k 0).
         k = v = k.new_zeros((1, *k.shape[1:]))
-    paged = NO_PAGED
+    paged, page_rows = NO_PAGED, 0
     if block_table is not None:
         if seqused_k is None or not paged_in_place(d, k.shape[1]):
             raise ValueError(f"block_table needs seqused_k and pages of {PAGED_TILE_N} x 2^n "
-                             f"rows at head dims {PAGED_HEAD_DIMS}, got page size "
-                             f"{k.shape[1]}, head dim {d}")
-        paged = (block_table, (k.shape[1] // PAGED_TILE_N).bit_length() - 1)
-        k, v = k.flatten(0, 1), v.flatten(0, 1)  # the pools' rows, PAGED_TILE_N per block
+                             f"or {SMALL_PAGES} rows at head dims {PAGED_HEAD_DIMS}, got page "
+                             f"size {k.shape[1]}, head dim {d}")
+        paged, page_rows = page_args(block_table, k.shape[1])
+        k, v = k.flatten(0, 1), v.flatten(0, 1)  # the pools' rows
     arch = _device_arch(q.device)
     causal, window = window_bounds(window_size, causal, max_seqlen_q, max_seqlen_k)
     walks = _varlen_persistent_ctas(q.device, d, causal, total_q, batch, h)
@@ -674,7 +686,8 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
                             persistent=ctas is not None, dynamic=dynamic,
                             own_o=fwd_own_o(d, causal, max_seqlen_k), local=window is not None,
                             softcap=softcap > 0, alibi=alibi_slopes is not None,
-                            paged=block_table is not None, sink=sink is not None)
+                            paged=block_table is not None, sink=sink is not None,
+                            page_rows=page_rows)
     # cu_seqlens[b + 1] >= cu_seqlens[b + 1] - cu_seqlens[b]: as seqused it changes nothing.
     used_q = cu_seqlens_q[1:] if seqused_q is None else seqused_q
     used_k = cu_seqlens_k[1:] if seqused_k is None else seqused_k

@@ -21,9 +21,9 @@ depends on positions (see ``splittable``); each chunk's output is rounded to the
 before the merge.
 
 Paged caches (``block_table``): pools of pages (pages, page_size, hk, d). Pages of 128 x 2^n
-rows at d <= 128 go to the paged varlen kernels as they are, with the table (a split's chunks
-are whole pages, each with its slice of the table); other pages are gathered into contiguous
-caches first. Index arrays (prefix sums, chunk bounds) are cached per shape from eager code
+or 16 / 32 / 64 rows at d <= 128 go to the paged varlen kernels as they are, with the table
+(a split's chunks are whole pages and key blocks, each with its slice of the table); other
+pages are gathered into contiguous caches first. Index arrays (prefix sums, chunk bounds) are cached per shape from eager code
 only, so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -297,13 +297,13 @@ def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts):
     j * chunk on, as a sequence of its own with the same query rows), the chunks then merged
     by their LSEs in fp32. Returns (out, lse) as the unsplit call would."""
     table = opts.get("block_table")
-    # Chunks of whole key blocks; read in place from pages, of whole pages (then a chunk's
-    # pages are a slice of its sequence's table row).
-    align = SPLIT_KEY_ALIGN if table is None else kp.shape[1]
+    # Chunks of whole key blocks; read in place from pages, of whole pages too (then a
+    # chunk's pages are a slice of its sequence's table row).
+    align = SPLIT_KEY_ALIGN if table is None else max(kp.shape[1], SPLIT_KEY_ALIGN)
     chunk = _ceil_div(_ceil_div(s_cache, splits), align) * align
     splits = _ceil_div(s_cache, chunk)
     if table is not None:
-        per = chunk // align
+        per = chunk // kp.shape[1]
         table = torch.nn.functional.pad(table, (0, splits * per - table.shape[1]))
         opts = {**opts, "block_table": table.view(b * splits, per)}
     dev, heads, d = qp.device, qp.shape[1], qp.shape[2]
@@ -362,7 +362,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     block_table (b, max_pages) int32: paged caches, k_cache / v_cache (num_pages, page_size,
     hk, d), page j of sequence i at k_cache[block_table[i, j]] (any page size; not with
     cache_batch_idx or cache_leftpad). New tokens go into the pages in place. Pages of
-    128 x 2^n rows at head dims 64 / 96 / 128 are read in place (dispatch.paged_in_place);
+    128 x 2^n or 16 / 32 / 64 rows at head dims 64 / 96 / 128 are read in place
+    (dispatch.paged_in_place);
     other page sizes and head dims, and traced calls, read a gathered copy of each
     sequence's pages.
     learnable_sink (h,): as in flash_attn_func (gpt-oss serving); folded into the result

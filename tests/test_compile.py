@@ -373,18 +373,26 @@ def test_combine_splits_compiles(dtype, d, tmp_path, monkeypatch):
 
 
 # Paged varlen kernels (FlashFwdSm90 paged: a block table maps key blocks to pool blocks):
-# each head dim / mask / own_o the varlen launch picks, and a few score modifications.
-PAGED = (sorted({(d, c, (), fwd_own_o(d, c, sk)) for d in dispatch.PAGED_HEAD_DIMS
-                 for c in (False, True) for sk in (1000, 100000)})
-         + [(128, True, ("local",), True), (128, False, ("softcap",), True),
-            (64, True, ("alibi",), True)])
+# each head dim / mask / own_o the varlen launch picks, pages of whole blocks (page_rows 0)
+# and of 16 / 32 / 64 rows (a TMA per page), and a few score modifications.
+PAGED = (sorted({(d, c, (), fwd_own_o(d, c, sk), rows) for d in dispatch.PAGED_HEAD_DIMS
+                 for c in (False, True) for sk in (1000, 100000)
+                 for rows in (0, *dispatch.SMALL_PAGES)})
+         + [(128, True, ("local",), True, 0), (128, False, ("softcap",), True, 0),
+            (64, True, ("alibi",), True, 0), (128, True, ("local",), True, 16),
+            (128, False, ("softcap",), True, 32), (64, True, ("alibi",), True, 16)])
 # The load warp (24 registers) holds the table row beside its walk: d=96 causal spills one
 # word per tile there (an STL before the walk, an LDL per tile), d=64 causal with ALiBi one.
-PAGED_SPILLS = {(96, True, ()): 2, (64, True, ("alibi",)): 1}
+PAGED_SPILLS = {(96, True, (), 0): 2, (64, True, ("alibi",), 0): 1,
+                (64, True, ("alibi",), 16): 1}
 
 
-@pytest.mark.parametrize("d,causal,mods,own_o", PAGED, ids=lambda v: str(v))
-def test_fwd_paged_variant_compiles(d, causal, mods, own_o, tmp_path, monkeypatch):
+@pytest.mark.parametrize("d,causal,mods,own_o,page_rows", PAGED, ids=lambda v: str(v))
+def test_fwd_paged_variant_compiles(d, causal, mods, own_o, page_rows, tmp_path, monkeypatch):
+    """Spills only where PAGED_SPILLS knows them, wgmma not serialized (ptxas did serialize
+    some small-page loops: copy_pages' unroll), the page loop's TMA boxes: one per block per
+    copy site, or for small pages per page and swizzle atom column (the loop unrolled by 2 at
+    d=128 with >= 4 pages per block)."""
     monkeypatch.chdir(tmp_path)
     ctas, dynamic = dispatch._varlen_persistent_ctas(None, d, causal, 16384, 8, 16, 132) \
         or (None, False)
@@ -393,8 +401,16 @@ def test_fwd_paged_variant_compiles(d, causal, mods, own_o, tmp_path, monkeypatc
     overrides = dispatch.kernel_overrides(d, causal, True, flags)
     assert overrides["tile_n"] == dispatch.PAGED_TILE_N
     ops = sass_opcodes(dispatch._compile_fwd(ARCH, "BFloat16", d, causal, True, keep_cubin=True,
-                                             paged=True, **{m: True for m in mods},
+                                             paged=True, page_rows=page_rows,
+                                             **{m: True for m in mods},
                                              **overrides).__cubin__, tmp_path)
     assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0, ops
-    assert ops.get("STL", 0) <= PAGED_SPILLS.get((d, causal, mods), 0), ops.get("STL")
+    assert ops.get("STL", 0) <= PAGED_SPILLS.get((d, causal, mods, page_rows), 0), ops.get("STL")
     assert_wgmma_not_serialized(ops)
+    # A box per swizzle atom column: Q's, then K and V at the walk's two copy sites each,
+    # small pages times the page loop's unroll.
+    import cutlass
+    from flash_cute.kernels.sm90.wgmma import atom_cols
+    unroll = 2 if page_rows and d == 128 and dispatch.PAGED_TILE_N // page_rows > 2 else 1
+    assert ops["UTMALDG"] == d // atom_cols(cutlass.BFloat16, d) * (1 + 4 * unroll), ops
+

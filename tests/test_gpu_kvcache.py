@@ -8,7 +8,7 @@ token and of thousands, a sequence with no key.
 import pytest
 import torch
 
-from flash_cute import flash_attn_with_kvcache
+from flash_cute import dispatch, flash_attn_with_kvcache
 from flash_cute.reference import check_close
 from gpu_support import (DEVICE, ON_CPU, _cpu_standin,  # noqa: F401 (autouse)
                          gpu_module_marks, poison_allocator, rand)
@@ -113,13 +113,18 @@ def test_kvcache_unused_rows_hold_nan(case):
     test_kvcache_against_oracle(case, num_splits=5 if splittable else 0, nan_outside=True)
 
 
-@pytest.mark.parametrize("page,splits", [(256, 0), (512, 4), (128, 1), (16, 3), (1000, 1)])
-def test_paged_cache_equals_contiguous(page, splits):
+PAGED_CASES = [(256, 0, 128), (512, 4, 128), (128, 1, 128), (16, 3, 128), (1000, 1, 128),
+               (16, 0, 64), (32, 5, 128), (64, 0, 96), (16, 1, 96), (8, 0, 128)]
+
+
+@pytest.mark.parametrize("page,splits,d", PAGED_CASES)
+def test_paged_cache_equals_contiguous(page, splits, d):
     """block_table over a shuffled pool of pages (garbage table entries past the used pages):
     the contiguous call's outputs, new tokens written into their pages. Pages of 128 x 2^n
-    rows are read in place by the paged kernel (128-key blocks where the contiguous call
-    may take 176: sums in another order), the others gathered (bitwise)."""
-    b, h, hk, d, pages = 3, 16, 4, 128, 4
+    rows or 16 / 32 / 64 rows are read in place by the paged kernels (128-key blocks where
+    the contiguous call may take 176: sums in another order), the others gathered
+    (bitwise)."""
+    b, h, hk, pages = 3, 16, 4, 1024 // page if page < 128 else 4
     s, gen = page * pages, torch.Generator(device=DEVICE).manual_seed(page)
     q, k, v = rand(b, 1, h, d, seed=1), rand(b, 1, hk, d, seed=2), rand(b, 1, hk, d, seed=3)
     k_cache, v_cache = rand(b, s, hk, d, seed=4), rand(b, s, hk, d, seed=5)
@@ -130,7 +135,7 @@ def test_paged_cache_equals_contiguous(page, splits):
     want, want_lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kw)
     poison_allocator()
     out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, block_table=table, **kw)
-    if page % 128:
+    if not dispatch.paged_in_place(d, page):
         assert torch.equal(out, want) and torch.equal(lse, want_lse)
     else:
         torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -7)

@@ -193,9 +193,10 @@ def test_varlen_launch_matches_compile(launched, monkeypatch, d, causal, walk, s
 
 @pytest.mark.parametrize("walk", ["0", "dyn:ctas=5", "auto"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,page", [(64, 128), (128, 512)])
+@pytest.mark.parametrize("d,page", [(64, 128), (128, 512), (128, 16), (96, 64)])
 def test_paged_launch_matches_compile(launched, monkeypatch, d, page, causal, walk):
-    """A paged cache read in place: the block table and the page shift reach the kernel."""
+    """A paged cache read in place: the block table and the page shift (0 for pages smaller
+    than a block: the kernel's page_rows) reach the kernel."""
     monkeypatch.setenv(dispatch.PERSISTENT_FWD_ENV, walk)
     q, k, v = _qkv((3, 4, d), (5, page, 2, d))
     table = torch.tensor([[4, 0], [1, 3], [2, 2]], dtype=torch.int32)
@@ -205,7 +206,7 @@ def test_paged_launch_matches_compile(launched, monkeypatch, d, page, causal, wa
                  cu_seqlens_k=cu * 2 * page, max_seqlen_q=1, max_seqlen_k=2 * page,
                  seqused_k=used, block_table=table)
     assert len(launched) == 1 and launched[0].args[-3] is table
-    assert launched[0].args[-2] == (page // dispatch.PAGED_TILE_N).bit_length() - 1
+    assert launched[0].args[-2] == max((page // dispatch.PAGED_TILE_N).bit_length() - 1, 0)
     assert launched[0].args[1].shape == (5 * page, 2, d)  # the pool's rows
 
 

@@ -26,6 +26,9 @@ keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = 
 Paged (``paged``, varlen): K and V are pools of pages of tile_n << page_shift rows; the load
 warp reads each key block's page from the sequence's block-table row (kv_block) and loads
 the block from there, so a sequence's keys need not be contiguous (a KV cache in pages).
+Pages smaller than a key block (``page_rows`` = 16 / 32 / 64): a TMA box per page and swizzle
+atom column (copy_pages): in sK / sV an atom column's rows are contiguous, so a page's rows
+of it are a smaller swizzled tile, whatever the page's place in the block.
 
 Persistent (``cfg.persistent``; dispatch.py chooses it per call): the grid is min(tiles,
 SMs), and the load warp and every consumer warp walk the same tile sequence
@@ -139,7 +142,7 @@ from ..common.softmax import LOG2E, OnlineSoftmax, rescale_rows, softcap_scores
 from . import fwd_split
 from .epilogue import stmatrix_acc, store_smem_rows, tma_store
 from .pipelines import make_tma_pipelines, tma_split
-from .wgmma import gemm, make_smem_layout
+from .wgmma import atom_cols, gemm, make_smem_layout
 
 WG_THREADS = 128
 WG_ROWS = 64         # query rows per consumer warpgroup (the wgmma's M)
@@ -166,7 +169,7 @@ class Barrier(enum.IntEnum):
 class FlashFwdSm90:
     def __init__(self, dtype, cfg: FwdSm90Config, causal: bool, varlen: bool = False,
                  local: bool = False, softcap: bool = False, alibi: bool = False,
-                 paged: bool = False, sink: bool = False):
+                 paged: bool = False, sink: bool = False, page_rows: int = 0):
         """``local``: sliding-window attention, a causal kernel whose diagonal and left edge
         come from the runtime window_left / window_right (block_info); its tiles are walked
         as causal ones are. ``softcap``: scores become tanh(s * softcap_scale) before the
@@ -176,7 +179,9 @@ class FlashFwdSm90:
         ``paged`` (varlen): K / V are pools of pages, key block n of sequence b at the pool's
         block (table[b, n >> page_shift] << page_shift) + n % 2^page_shift (tile_n-row
         blocks; pages of tile_n << page_shift rows: shifts keep the load warp's 24
-        registers unspilled), its length seqused_k[b]. ``sink``: a learnable sink per head
+        registers unspilled), its length seqused_k[b]. ``page_rows`` (paged): pages of this
+        many rows (8 | page_rows | tile_n, page_shift unused), one TMA per page; 0: pages of
+        whole blocks. ``sink``: a learnable sink per head
         (runtime fp32 logits) joins every row's softmax denominator (softmax.finalize)."""
         self.dtype = dtype
         self.cfg = cfg
@@ -187,8 +192,12 @@ class FlashFwdSm90:
         self.alibi = alibi
         self.paged = paged
         self.sink = sink
+        self.page_rows = page_rows
         if paged and not varlen:
             raise ValueError("paged: a varlen kernel (the block table is per sequence)")
+        if page_rows and (not paged or cfg.tile_n % page_rows or page_rows % 8):
+            raise ValueError(f"page_rows={page_rows}: a paged kernel's whole 8-row groups "
+                             f"dividing tile_n={cfg.tile_n}")
         if local and (not causal or cfg.halves_edge or cfg.split_tail):
             raise ValueError("local: a causal kernel without half_edge or split_tail")
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -259,10 +268,13 @@ class FlashFwdSm90:
         sV_layout = make_smem_layout(dt, (tn, d), stages)
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (tm, d))
+        # A key block, or one page of one swizzle atom column of it.
+        box = (self.page_rows, atom_cols(dt, d)) if const_expr(self.page_rows) else (tn, d)
+        box_layout = make_smem_layout(dt, box)
         tma_k, tma_mK = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.select(sK_layout, mode=[0, 1]), (tn, d))
+            cpasync.CopyBulkTensorTileG2SOp(), mK, box_layout, box)
         tma_v, tma_mV = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mV, cute.select(sV_layout, mode=[0, 1]), (tn, d))
+            cpasync.CopyBulkTensorTileG2SOp(), mV, box_layout, box)
         tma_o, tma_mO = None, mO  # varlen stores O without TMA
         if const_expr(not self.varlen):
             tma_o, tma_mO = cpasync.make_tiled_tma_atom(
@@ -528,6 +540,37 @@ class FlashFwdSm90:
         shift = self.page_shift
         return (pages[n >> shift] << shift) + (n & ((Int32(1) << shift) - 1))
 
+    def kv_copier(self, tma: cute.CopyAtom, mX: cute.Tensor, sX: cute.Tensor, pipe, pages):
+        """copy(n, state): key block n of mX (K or V rows of this head) into sX's stage, on
+        the stage's full barrier: one TMA box, or with page_rows one per page (copy_pages)."""
+        if const_expr(self.page_rows > 0):
+            box = (self.page_rows, atom_cols(self.dtype, self.d))
+            gX = cute.local_tile(mX, box, (None, None))  # (rows, cols, page, atom column)
+            return lambda n, st: self.copy_pages(tma, gX, sX[None, None, st.index], n, pages,
+                                                 pipe.producer_get_barrier(st))
+        tXsX, tXgX = tma_split(tma, sX, cute.local_tile(mX, (self.tile_n, self.d), (None, 0)))
+        block = partial(self.kv_block, pages=pages)
+        return lambda n, st: cute.copy(tma, tXgX[None, block(n)], tXsX[None, st.index],
+                                       tma_bar_ptr=pipe.producer_get_barrier(st))
+
+    @cute.jit
+    def copy_pages(self, tma: cute.CopyAtom, gX: cute.Tensor, sX: cute.Tensor, n: Int32,
+                   pages: cute.Tensor, bar):
+        """Key block n from its tile_n / page_rows pages (table entries n * that + j) into
+        one stage, a box per page and atom column; every box arrives on ``bar`` (the stage's
+        byte count is the block's either way)."""
+        per = self.tile_n // self.page_rows
+        box = (self.page_rows, cute.size(gX, mode=[1]))
+        # ptxas serialized the consumers' wgmma (C7511) at d=128 unless a loop of >= 4 pages
+        # unrolls by 2, and spilled fully unrolled loops (tests/test_compile.py pins both).
+        unroll = 2 if self.d == 128 and per > 2 else 1
+        for j in cutlass.range(per, unroll=unroll):  # fully unrolled, the table reads spilled
+            page = pages[n * per + j]
+            for c in cutlass.range_constexpr(cute.size(gX, mode=[3])):
+                tXsX, tXgX = tma_split(tma, cute.local_tile(sX, box, (j, c)),
+                                       gX[None, None, page, c])
+                cute.copy(tma, tXgX, tXsX, tma_bar_ptr=bar)
+
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
              sK: cute.Tensor, sV: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
@@ -539,16 +582,12 @@ class FlashFwdSm90:
         or n_max short of the tile's); ``pages``: paged, the sequence's block-table row
         (page_row). Returns the states of the next tile."""
         gQ = cute.local_tile(mQ, (self.tile_m, self.d), (m_block, 0))
-        gK = cute.local_tile(mK, (self.tile_n, self.d), (None, 0))
-        gV = cute.local_tile(mV, (self.tile_n, self.d), (None, 0))
         tQsQ, tQgQ = tma_split(tma_q, sQ, gQ)
-        tKsK, tKgK = tma_split(tma_k, sK, gK)
-        tVsV, tVgV = tma_split(tma_v, sV, gV)
+        copy_k = self.kv_copier(tma_k, mK, sK, pipe_k, pages)
+        copy_v = self.kv_copier(tma_v, mV, sV, pipe_v, pages)
 
-        block = partial(self.kv_block, pages=pages)
         pipe_k.producer_acquire(kv)
-        cute.copy(tma_k, tKgK[None, block(n_max - 1)], tKsK[None, kv.index],
-                  tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+        copy_k(n_max - 1, kv)
         pipe_q.producer_acquire(q)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q))
         for i in cutlass.range(n_max - 1 - n_lo, unroll=1):
@@ -556,14 +595,11 @@ class FlashFwdSm90:
             kv_prev = kv.clone()
             kv.advance()
             pipe_k.producer_acquire(kv)
-            cute.copy(tma_k, tKgK[None, block(n_prev - 1)], tKsK[None, kv.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+            copy_k(n_prev - 1, kv)
             pipe_v.producer_acquire(kv_prev)
-            cute.copy(tma_v, tVgV[None, block(n_prev)], tVsV[None, kv_prev.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_prev))
+            copy_v(n_prev, kv_prev)
         pipe_v.producer_acquire(kv)
-        cute.copy(tma_v, tVgV[None, block(n_lo)], tVsV[None, kv.index],
-                  tma_bar_ptr=pipe_v.producer_get_barrier(kv))
+        copy_v(n_lo, kv)
         q.advance()
         kv.advance()
         return q, kv

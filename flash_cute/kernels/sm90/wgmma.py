@@ -19,6 +19,15 @@ def make_smem_layout(dtype, shape, stages=None, atom_cols=None):
     return cute.tile_to_shape(atom, full, order=(0, 1) if stages is None else (0, 1, 2))
 
 
+def atom_cols(dtype, cols: int) -> int:
+    """Columns of make_smem_layout's swizzle atom for rows of ``cols`` elements: the widest
+    swizzle (128 / 64 / 32 bytes) that divides a row. Within a tile, an atom column's rows are
+    contiguous (the atoms repeat down the rows first)."""
+    row_bytes = cols * dtype.width // 8
+    width = next(w for w in (128, 64, 32) if row_bytes % w == 0)
+    return width * 8 // dtype.width
+
+
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
          zero_init: cutlass.Constexpr[bool], wait_group: cutlass.Constexpr[int],
