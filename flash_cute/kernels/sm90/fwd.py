@@ -23,12 +23,10 @@ keys past seqlen_k are masked as for a ragged tail, V rows past it are zeroed in
 seqused_k), and Q rows past seqlen_q are never stored: O leaves through predicated 16-byte
 stores from sO instead of a TMA box that would overwrite the next sequence. A sequence with no
 keys still runs one fully masked block (as in the batched kernel): O = 0, LSE = -inf.
-Paged (``paged``, varlen): K and V are pools of pages of tile_n << page_shift rows; the load
-warp reads each key block's page from the sequence's block-table row (kv_block) and loads
-the block from there, so a sequence's keys need not be contiguous (a KV cache in pages).
-Pages smaller than a key block (``page_rows`` = 16 / 32 / 64): a TMA box per page and swizzle
-atom column (copy_pages): in sK / sV an atom column's rows are contiguous, so a page's rows
-of it are a smaller swizzled tile, whatever the page's place in the block.
+Paged (``paged``, varlen): K and V are pools of pages of tile_n << page_shift rows, or of
+``page_rows`` = 16 / 32 / 64 rows; the load warp reads each key block's pages from the
+sequence's block-table row and loads them from there (fwd_kv.KvLoads: a TMA box per block,
+or per page and swizzle atom column), so a sequence's keys need not be contiguous.
 
 Persistent (``cfg.persistent``; dispatch.py chooses it per call): the grid is min(tiles,
 SMs), and the load warp and every consumer warp walk the same tile sequence
@@ -142,7 +140,8 @@ from ..common.softmax import LOG2E, OnlineSoftmax, rescale_rows, softcap_scores
 from . import fwd_split
 from .epilogue import stmatrix_acc, store_smem_rows, tma_store
 from .pipelines import make_tma_pipelines, tma_split
-from .wgmma import atom_cols, gemm, make_smem_layout
+from .fwd_kv import KvLoads
+from .wgmma import gemm, make_smem_layout
 
 WG_THREADS = 128
 WG_ROWS = 64         # query rows per consumer warpgroup (the wgmma's M)
@@ -268,13 +267,9 @@ class FlashFwdSm90:
         sV_layout = make_smem_layout(dt, (tn, d), stages)
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (tm, d))
-        # A key block, or one page of one swizzle atom column of it.
-        box = (self.page_rows, atom_cols(dt, d)) if const_expr(self.page_rows) else (tn, d)
-        box_layout = make_smem_layout(dt, box)
-        tma_k, tma_mK = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mK, box_layout, box)
-        tma_v, tma_mV = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mV, box_layout, box)
+        kv_loads = KvLoads(dt, tn, d, self.page_rows)  # a key block, or a page of one
+        tma_k, tma_mK = kv_loads.make_tma(mK)
+        tma_v, tma_mV = kv_loads.make_tma(mV)
         tma_o, tma_mO = None, mO  # varlen stores O without TMA
         if const_expr(not self.varlen):
             tma_o, tma_mO = cpasync.make_tiled_tma_atom(
@@ -347,7 +342,8 @@ class FlashFwdSm90:
                mBlockTable: Optional[cute.Tensor], page_shift: Optional[Int32],
                mSink: Optional[cute.Tensor]):
         self.window = (window_left, window_right) if const_expr(self.local) else None
-        self.mBlockTable, self.page_shift = mBlockTable, page_shift
+        self.mBlockTable = mBlockTable
+        self.kv_loads = KvLoads(self.dtype, self.tile_n, self.d, self.page_rows, page_shift)
         self.softcap_scale = softcap_scale
         self.mSlopes, self.mSink = mSlopes, mSink
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -532,45 +528,6 @@ class FlashFwdSm90:
             return None
         return self.mBlockTable[batch, None]
 
-    def kv_block(self, n: Int32, pages=None):
-        """Where key block n lies in mK / mV: block n, or paged through the sequence's pages
-        (one table read per block, by the load warp only)."""
-        if const_expr(pages is None):
-            return n
-        shift = self.page_shift
-        return (pages[n >> shift] << shift) + (n & ((Int32(1) << shift) - 1))
-
-    def kv_copier(self, tma: cute.CopyAtom, mX: cute.Tensor, sX: cute.Tensor, pipe, pages):
-        """copy(n, state): key block n of mX (K or V rows of this head) into sX's stage, on
-        the stage's full barrier: one TMA box, or with page_rows one per page (copy_pages)."""
-        if const_expr(self.page_rows > 0):
-            box = (self.page_rows, atom_cols(self.dtype, self.d))
-            gX = cute.local_tile(mX, box, (None, None))  # (rows, cols, page, atom column)
-            return lambda n, st: self.copy_pages(tma, gX, sX[None, None, st.index], n, pages,
-                                                 pipe.producer_get_barrier(st))
-        tXsX, tXgX = tma_split(tma, sX, cute.local_tile(mX, (self.tile_n, self.d), (None, 0)))
-        block = partial(self.kv_block, pages=pages)
-        return lambda n, st: cute.copy(tma, tXgX[None, block(n)], tXsX[None, st.index],
-                                       tma_bar_ptr=pipe.producer_get_barrier(st))
-
-    @cute.jit
-    def copy_pages(self, tma: cute.CopyAtom, gX: cute.Tensor, sX: cute.Tensor, n: Int32,
-                   pages: cute.Tensor, bar):
-        """Key block n from its tile_n / page_rows pages (table entries n * that + j) into
-        one stage, a box per page and atom column; every box arrives on ``bar`` (the stage's
-        byte count is the block's either way)."""
-        per = self.tile_n // self.page_rows
-        box = (self.page_rows, cute.size(gX, mode=[1]))
-        # ptxas serialized the consumers' wgmma (C7511) at d=128 unless a loop of >= 4 pages
-        # unrolls by 2, and spilled fully unrolled loops (tests/test_compile.py pins both).
-        unroll = 2 if self.d == 128 and per > 2 else 1
-        for j in cutlass.range(per, unroll=unroll):  # fully unrolled, the table reads spilled
-            page = pages[n * per + j]
-            for c in cutlass.range_constexpr(cute.size(gX, mode=[3])):
-                tXsX, tXgX = tma_split(tma, cute.local_tile(sX, box, (j, c)),
-                                       gX[None, None, page, c])
-                cute.copy(tma, tXgX, tXsX, tma_bar_ptr=bar)
-
     @cute.jit
     def load(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
              sK: cute.Tensor, sV: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom,
@@ -583,8 +540,8 @@ class FlashFwdSm90:
         (page_row). Returns the states of the next tile."""
         gQ = cute.local_tile(mQ, (self.tile_m, self.d), (m_block, 0))
         tQsQ, tQgQ = tma_split(tma_q, sQ, gQ)
-        copy_k = self.kv_copier(tma_k, mK, sK, pipe_k, pages)
-        copy_v = self.kv_copier(tma_v, mV, sV, pipe_v, pages)
+        copy_k = self.kv_loads.copier(tma_k, mK, sK, pipe_k, pages)
+        copy_v = self.kv_loads.copier(tma_v, mV, sV, pipe_v, pages)
 
         pipe_k.producer_acquire(kv)
         copy_k(n_max - 1, kv)
