@@ -216,7 +216,7 @@ def fwd_compile_args(dtype_name: str, cfg: FwdSm90Config, varlen: bool, local: b
             *window, cutlass.Float32(1.0) if softcap else NO_SOFTCAP,
             fake_slopes() if alibi else None,
             *((_fake_block_table(), cutlass.Int32(1)) if paged else NO_PAGED),
-            fake_sinks() if sink else None)
+            *((fake_sinks(), cutlass.Int32(1)) if sink else NO_SINK))
 
 
 def _fake_block_table():
@@ -225,6 +225,15 @@ def _fake_block_table():
     import cutlass.cute as cute
     return cute.runtime.make_fake_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int()),
                                          (cute.sym_int64(), 1), assumed_align=4)
+
+
+NO_SINK = (None,) * 2  # a forward launch's sinks and sink_group, without sinks
+
+
+def sink_args(sink, group: int = 1):
+    """A forward launch's (sinks, sink_group): sinks_f32's tensor and the query heads packed
+    per kernel head (its rows, the group innermost), or NO_SINK."""
+    return NO_SINK if sink is None else (sink, group)
 
 
 def fake_sinks():
@@ -496,7 +505,8 @@ def _device_arch(device: torch.device) -> str:
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float, causal: bool,
         window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, dropout_p: float = 0.0,
         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-        seqused_q=None, seqused_k=None, block_table=None, learnable_sink=None):
+        seqused_q=None, seqused_k=None, block_table=None, learnable_sink=None,
+        sink_group: int = 1):
     """Forward attention. Returns ``(out, lse)``.
 
     Batched: q (b, sq, h, d), k/v (b, sk, hk, d) -> out like q, lse fp32 (b, h, sq).
@@ -505,7 +515,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     (pages, page_size, hk, d), sequence b's keys its pages' first seqused_k[b] rows
     (seqused_k required; cu_seqlens_k is not read).
     learnable_sink (h,): one more logit per head in every row's softmax denominator, with no
-    value (its LSE included: the backward reads it as is).
+    value (its LSE included: the backward reads it as is). sink_group (varlen; kvcache.py):
+    q packs that many query heads as the rows of each of its heads, the group innermost, so
+    learnable_sink has h * sink_group entries and row i of head j takes entry
+    j * sink_group + i % sink_group.
     """
     why = unsupported_fwd_option(dropout_p=dropout_p)
     if why is not None:
@@ -515,9 +528,9 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
                            max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, block_table=block_table,
-                           learnable_sink=learnable_sink)
-    if block_table is not None:
-        raise ValueError("block_table: varlen calls only (cu_seqlens_q, seqused_k)")
+                           learnable_sink=learnable_sink, sink_group=sink_group)
+    if block_table is not None or sink_group != 1:
+        raise ValueError("block_table and sink_group: varlen calls only (cu_seqlens_q)")
     b, sq, h, d = q.shape
     sk = k.shape[1]
     causal, window = window_bounds(window_size, causal, sq, sk)
@@ -548,7 +561,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     kernel(q.detach(), k.detach(), v.detach(), out, lse, scale_log2, *sections, *NO_VARLEN,
            plan.ctas, tile_counter(q.device) if plan.dynamic else None, *split,
            *(window or NO_WINDOW), softcap_scale, alibi_slopes2d(alibi_slopes, b, h),
-           *NO_PAGED, sink)
+           *NO_PAGED, *sink_args(sink))
     return out, lse
 
 
@@ -646,7 +659,7 @@ def tile_counter(device):
 
 def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                 max_seqlen_k, *, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
-                alibi_slopes=None, block_table=None, learnable_sink=None):
+                alibi_slopes=None, block_table=None, learnable_sink=None, sink_group=1):
     """Packed sequences: q (total_q, h, d), k/v (total_k, hk, d) -> out, lse (h, total_q).
 
     Rows of a sequence past seqused_q are not written by the kernel (FlashAttention leaves them
@@ -699,7 +712,8 @@ def _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_s
     kernel(q.detach(), k.detach(), v.detach(), out, lse, scale_log2, section, None,
            cu_seqlens_q, cu_seqlens_k, used_q, used_k, ctas,
            tile_counter(q.device) if dynamic else None, *NO_SPLIT, *(window or NO_WINDOW),
-           softcap_scale, alibi_slopes2d(alibi_slopes, batch, h), *paged, sink)
+           softcap_scale, alibi_slopes2d(alibi_slopes, batch, h), *paged,
+           *sink_args(sink, sink_group))
     return out, lse
 
 
@@ -711,8 +725,10 @@ def fwd_cubin(arch: str, dtype_name: str, d: int, causal: bool, varlen: bool = F
                         **cfg_overrides).__cubin__
 
 
-def _compile_combine(arch: str, dtype_name: str, d: int, keep_cubin: bool = False):
-    """Split-KV's merge kernel (kernels/common/combine.py) for one (dtype, head dim)."""
+def _compile_combine(arch: str, dtype_name: str, d: int, keep_cubin: bool = False,
+                     sink: bool = False):
+    """Split-KV's merge kernel (kernels/common/combine.py) for one (dtype, head dim), with
+    learnable sinks or without."""
     import cutlass
     import cutlass.cute as cute
 
@@ -733,22 +749,28 @@ def _compile_combine(arch: str, dtype_name: str, d: int, keep_cubin: bool = Fals
 
     out = cute.runtime.make_fake_compact_tensor(dt, (b, rows, h, d), stride_order=(3, 2, 1, 0),
                                                 assumed_align=16)
-    return compile_kernel(CombineSplits(dt, d),
-                          (parts, fp32(h, b, splits, rows), out, fp32(h, b, rows)), keep_cubin)
+    sinks = (fake_sinks(), cutlass.Int32(1)) if sink else NO_SINK
+    return compile_kernel(CombineSplits(dt, d, sink),
+                          (parts, fp32(h, b, splits, rows), out, fp32(h, b, rows), *sinks),
+                          keep_cubin)
 
 
 def combine_splits(out_s: torch.Tensor, lse_s: torch.Tensor, batch: int, splits: int,
-                   rows: int):
+                   rows: int, learnable_sink=None, sink_group: int = 1):
     """Split-KV's merge in one kernel: out_s (batch * splits * rows, h, d) and lse_s
     (h, batch * splits * rows), a varlen forward's out / lse whose sequence b * splits + s held
-    chunk s of sequence b's keys, -> out (batch * rows, h, d), lse (h, batch * rows)."""
+    chunk s of sequence b's keys, -> out (batch * rows, h, d), lse (h, batch * rows).
+    learnable_sink, sink_group: as dispatch.fwd's (the chunks ran without them)."""
     _, h, d = out_s.shape
     out = torch.empty((batch, rows, h, d), dtype=out_s.dtype, device=out_s.device)
     lse = torch.empty((h, batch, rows), dtype=torch.float32, device=out_s.device)
-    key = ("combine", _device_arch(out_s.device), _TORCH_TO_CUTLASS[out_s.dtype], d)
+    sink = sinks_f32(learnable_sink)
+    key = ("combine", _device_arch(out_s.device), _TORCH_TO_CUTLASS[out_s.dtype], d,
+           sink is not None)
     with _cache_lock:
         if key not in _cache:
-            _cache[key] = _compile_combine(*key[1:])
+            _cache[key] = _compile_combine(*key[1:4], sink=key[4])
         kernel = _cache[key]
-    kernel(out_s.view(batch, splits, rows, h, d), lse_s.view(h, batch, splits, rows), out, lse)
+    kernel(out_s.view(batch, splits, rows, h, d), lse_s.view(h, batch, splits, rows), out, lse,
+           *sink_args(sink, sink_group))
     return out.view(batch * rows, h, d), lse.view(h, batch * rows)

@@ -292,10 +292,11 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts):
+def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts, sinks=None):
     """The varlen forward over ``splits`` key chunks of each sequence (chunk j: its keys from
     j * chunk on, as a sequence of its own with the same query rows), the chunks then merged
-    by their LSEs in fp32. Returns (out, lse) as the unsplit call would."""
+    by their LSEs in fp32. Returns (out, lse) as the unsplit call would. ``sinks``
+    (learnable_sink, sink_group): joined by the merge kernel (the chunks run without)."""
     table = opts.get("block_table")
     # Chunks of whole key blocks; read in place from pages, of whole pages too (then a
     # chunk's pages are a slice of its sequence's table row).
@@ -318,7 +319,8 @@ def _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts):
     out_s, lse_s = _attend(qs, kp, vp, _prefix(b * splits, rows_q, dev), cu, rows_q, chunk,
                            lens, opts)
     if qp.device.type == "cuda" and not use_custom_ops():
-        return dispatch.combine_splits(out_s, lse_s, b, splits, rows_q)  # one kernel
+        return dispatch.combine_splits(out_s, lse_s, b, splits, rows_q,
+                                       **(sinks or {}))  # one kernel
     return _merge(out_s, lse_s, b, splits, rows_q)
 
 
@@ -366,8 +368,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (dispatch.paged_in_place);
     other page sizes and head dims, and traced calls, read a gathered copy of each
     sequence's pages.
-    learnable_sink (h,): as in flash_attn_func (gpt-oss serving); folded into the result
-    after the attention (_add_sinks), so it works with every path above.
+    learnable_sink (h,): as in flash_attn_func (gpt-oss serving): joined in the forward's
+    epilogue, or with split-KV in the merge kernel (packed GQA rows find their query head's
+    sink: sink_group); traced calls fold it in after the attention (_add_sinks).
     validate_cache_seqlens=True (or FLASH_CUTE_DEBUG=1) checks that the lengths fit the cache
     (cache_leftpad <= cache_seqlens, cache_seqlens + s_new <= s_cache) at the cost of a sync;
     an int cache_seqlens is always checked.
@@ -477,31 +480,36 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     **({"block_table": block_table} if in_place else {}))
         splits = _num_splits(num_splits if splittable else 1,
                              b * heads_q * _ceil_div(rows_q, ROW_TILE), s_cache, dev)
+        # Sinks go to the kernels (the forward's epilogue, or the merge's) on eager GPU calls;
+        # traced and CPU calls fold them in afterwards (_add_sinks).
+        sinks = None
+        if learnable_sink is not None and dev.type == "cuda" and not use_custom_ops():
+            sinks = dict(learnable_sink=learnable_sink, sink_group=g if pack else 1)
         if splits > 1:
-            out, lse = _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts)
+            out, lse = _split_kv(qp, kp, vp, leftpad, used, b, rows_q, s_cache, splits, opts,
+                                 sinks)
         else:
             out, lse = _attend(qp, kp, vp, _prefix(b, rows_q, dev), cu_k, rows_q, s_cache,
-                               used, opts)
+                               used, {**opts, **(sinks or {})})
     if pack:
         out = out.view(b, sq, g, hk, d).transpose(2, 3).reshape(b, sq, h, d)
     else:
         out = out.view(b, sq, h, d)
-    if not return_softmax_lse and learnable_sink is None:
+    if not return_softmax_lse and (learnable_sink is None or sinks is not None):
         return out
     if pack:
         lse = lse.view(hk, b, sq, g).permute(1, 0, 3, 2).reshape(b, h, sq)
     else:
         lse = lse.view(h, b, sq).transpose(0, 1).contiguous()
-    if learnable_sink is not None:
+    if learnable_sink is not None and sinks is None:
         out, lse = _add_sinks(out, lse, learnable_sink)
     return (out, lse) if return_softmax_lse else out
 
 
 def _add_sinks(out, lse, learnable_sink):
     """Fold learnable sinks into a finished attention: lse' = logaddexp(lse, sink[h]) and
-    out' = out * exp(lse - lse'). Afterwards rather than in the kernel, because GQA packing
-    puts several query heads (sinks) in one kernel head and split-KV chunks must not each
-    count the sink. A row with no key and a -inf sink keeps out 0 (0 * NaN avoided)."""
+    out' = out * exp(lse - lse') (traced and CPU calls: torch ops, where the custom op knows
+    no sink_group). A row with no key and a -inf sink keeps out 0 (0 * NaN avoided)."""
     with torch.no_grad():
         lse_new = torch.logaddexp(lse, learnable_sink.float()[None, :, None])
         keep = torch.exp(lse - lse_new).nan_to_num_(0.0)  # (b, h, sq)

@@ -360,14 +360,15 @@ def test_fwd_env_config_is_keyed_and_checked(monkeypatch):
             dispatch.get_fwd_kernel(ARCH, "BFloat16", 128, True)
 
 
+@pytest.mark.parametrize("sink", [False, True])
 @pytest.mark.parametrize("dtype", ["BFloat16", "Float16"])
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-def test_combine_splits_compiles(dtype, d, tmp_path, monkeypatch):
-    """Split-KV's merge kernel (kernels/common/combine.py): 16-byte loads of the partial
-    outputs, a 16-byte store, no spills."""
+def test_combine_splits_compiles(dtype, d, sink, tmp_path, monkeypatch):
+    """Split-KV's merge kernel (kernels/common/combine.py), with learnable sinks or not:
+    16-byte loads of the partial outputs, a 16-byte store, no spills."""
     monkeypatch.chdir(tmp_path)  # KeepCUBIN's copy of the cubin lands here
-    ops = sass_opcodes(dispatch._compile_combine(ARCH, dtype, d, keep_cubin=True).__cubin__,
-                       tmp_path)
+    ops = sass_opcodes(dispatch._compile_combine(ARCH, dtype, d, keep_cubin=True,
+                                                 sink=sink).__cubin__, tmp_path)
     assert ops.get("LDG.E", 0) > 0 and ops.get("STG.E", 0) >= 2, ops
     assert not ops.get("STL") and not ops.get("LDL"), ops
 

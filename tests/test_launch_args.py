@@ -97,8 +97,8 @@ def test_window_launches_match_compile(launched, monkeypatch, d, window, walk):
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:  # the window, then softcap_scale and the slopes (None: neither)
-        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-7:-5])
-        assert launch.args[-5:] == (None,) * 5  # no paging or sinks either
+        assert all(isinstance(w, int) and 0 <= w <= 700 + 2500 for w in launch.args[-8:-6])
+        assert launch.args[-6:] == (None,) * 6  # no paging or sinks either
 
 
 @pytest.mark.parametrize("walk,split", WALKS)
@@ -117,7 +117,7 @@ def test_softcap_launches_match_compile(launched, monkeypatch, d, window, walk, 
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:
-        assert launch.args[-5] == pytest.approx(0.1 / 20.0) and launch.args[-4] is None
+        assert launch.args[-6] == pytest.approx(0.1 / 20.0) and launch.args[-5] is None
         assert launch.args[5] == pytest.approx(20.0 * dispatch.LOG2E)
 
 
@@ -137,8 +137,8 @@ def test_sink_launches_match_compile(launched, monkeypatch, walk, split, sink_dt
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:
-        got = launch.args[-1]
-        assert got.dtype == torch.float32 and got.is_contiguous()
+        got = launch.args[-2]
+        assert got.dtype == torch.float32 and got.is_contiguous() and launch.args[-1] == 1
         assert torch.equal(got, sink.float())
         assert got.data_ptr() == sink.data_ptr() or sink_dtype != torch.float32  # no copy
 
@@ -160,7 +160,7 @@ def test_alibi_launches_match_compile(launched, monkeypatch, d, slopes_2d, walk,
                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=900, max_seqlen_k=900)
     assert len(launched) == 2
     for launch in launched:
-        got = launch.args[-4]
+        got = launch.args[-5]
         assert got.shape == (2, 4) and got.is_contiguous() and got.dtype == torch.float32
         assert torch.equal(got, slopes.expand(2, 4))
 
@@ -205,8 +205,8 @@ def test_paged_launch_matches_compile(launched, monkeypatch, d, page, causal, wa
     dispatch.fwd(q, k, v, softmax_scale=d ** -0.5, causal=causal, cu_seqlens_q=cu,
                  cu_seqlens_k=cu * 2 * page, max_seqlen_q=1, max_seqlen_k=2 * page,
                  seqused_k=used, block_table=table)
-    assert len(launched) == 1 and launched[0].args[-3] is table
-    assert launched[0].args[-2] == max((page // dispatch.PAGED_TILE_N).bit_length() - 1, 0)
+    assert len(launched) == 1 and launched[0].args[-4] is table
+    assert launched[0].args[-3] == max((page // dispatch.PAGED_TILE_N).bit_length() - 1, 0)
     assert launched[0].args[1].shape == (5 * page, 2, d)  # the pool's rows
 
 
@@ -393,3 +393,21 @@ def test_backward_split_tail_launch(launched, monkeypatch, d, causal, determinis
     assert (tail_start, pieces) == ((30, 2) if split else (32, 1))
     assert partial.shape == (4 if split else 1, d, 256)
     assert tickets.shape == (2 if split else 1,)
+
+
+def test_packed_sinks_and_merge_launches_match_compile(launched):
+    """kvcache's packed GQA decode: the sinks (h * group entries) and sink_group reach the
+    varlen forward; split-KV's merge kernel takes them too."""
+    sink = torch.randn(8)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)  # 2 sequences, 4 packed rows each
+    q, k, v = _qkv((8, 2, 128), (600, 2, 128))
+    dispatch.fwd(q, k, v, softmax_scale=0.1, causal=False, cu_seqlens_q=cu,
+                 cu_seqlens_k=torch.tensor([0, 300, 600], dtype=torch.int32), max_seqlen_q=4,
+                 max_seqlen_k=300, learnable_sink=sink, sink_group=4)
+    assert launched[-1].args[-2] is not None and launched[-1].args[-1] == 4
+    out_s, lse_s = torch.randn(2 * 3 * 4, 2, 128).bfloat16(), torch.randn(2, 2 * 3 * 4)
+    dispatch.combine_splits(out_s, lse_s, 2, 3, 4, learnable_sink=sink, sink_group=4)
+    dispatch.combine_splits(out_s, lse_s, 2, 3, 4)
+    assert [x.name for x in launched[-2:]] == ["CombineSplits"] * 2
+    assert launched[-2].args[-2].data_ptr() == sink.data_ptr() and launched[-2].args[-1] == 4
+    assert launched[-1].args[-2:] == (None, None)

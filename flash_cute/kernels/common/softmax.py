@@ -118,16 +118,17 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def finalize(self, lse: cute.Tensor, sink_log2: Optional[Float32] = None) -> cute.Tensor:
+    def finalize(self, lse: cute.Tensor, sinks: Optional[cute.Tensor] = None) -> cute.Tensor:
         """Write each row's natural-log LSE into ``lse``; return 1/row_sum (0 for empty rows).
 
-        ``sink_log2`` (a learnable sink: one more logit per head, in exp2 units, with no value
-        vector) joins every row's denominator. It is added in the frame of max(row max, sink)
-        so that neither term overflows; an empty row then gets O = 0 and LSE = the sink."""
+        ``sinks`` (learnable sinks: one more logit per query head, with no value vector; each
+        row's, in exp2 units) join the rows' denominators. Each is added in the frame of
+        max(row max, sink) so that neither term overflows; an empty row then gets O = 0 and
+        LSE = the sink."""
         inv_sum = cute.make_rmem_tensor_like(self.row_sum, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=THREADS_PER_ROW)
-            if const_expr(sink_log2 is None):
+            if const_expr(sinks is None):
                 empty = total == Float32(0.0) or total != total
                 inv_sum[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
                 lse[r] = (-Float32.inf if empty else
@@ -137,6 +138,7 @@ class OnlineSoftmax:
                 # An empty row's max is -inf (or stale with total 0): its weight must be 0.
                 m = self.row_max[r] * self.scale_log2 if total != Float32(0.0) \
                     else -Float32.inf
+                sink_log2 = sinks[r]
                 top = cute.arch.fmax(m, sink_log2)
                 top = top if top != -Float32.inf else Float32(0.0)  # a -inf sink, empty row
                 keep = cute.math.exp2(m - top, fastmath=True)  # 0 for an empty row

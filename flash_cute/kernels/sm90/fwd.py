@@ -226,7 +226,7 @@ class FlashFwdSm90:
                  window_right: Optional[Int32], softcap_scale: Optional[Float32],
                  mSlopes: Optional[cute.Tensor], mBlockTable: Optional[cute.Tensor],
                  page_shift: Optional[Int32], mSink: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
+                 sink_group: Optional[Int32], stream: cuda.CUstream):
         """Batched: mQ, mO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (b, h, sq) fp32; the four
         varlen arguments None. Varlen: mQ, mO (total_q, h, d); mK, mV (total_k, hk, d); mLSE
         (h, total_q); cu_seqlens (b + 1,), seqused (b,) int32.
@@ -245,7 +245,9 @@ class FlashFwdSm90:
         mBlockTable, page_shift: paged only (else None): int32 (batch, max_pages) pool pages
         per sequence, and log2 of the tile_n-row blocks per page; mK / mV are then the pools as
         (pages * page_size, hk, d), and mCuSeqlensK is not read.
-        mSink: sink only (else None), fp32 (heads,): the learnable sinks' logits."""
+        mSink, sink_group: sink only (else None): fp32 learnable sinks' logits, and how many
+        query heads each kernel head packs as its rows (GQA decode, the group innermost: row
+        i of head h takes sink[h * sink_group + i % sink_group]; 1 otherwise)."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mK, mV, mO = [select_modes(t, [0, 2, 1]) for t in (mQ, mK, mV, mO)]
@@ -290,7 +292,8 @@ class FlashFwdSm90:
                     scale_log2, heads_per_section, tail_section, sQ_layout, sK_layout,
                     sV_layout, mma_qk, mma_pv, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                     mTileCounter, tail_ctas, mPartial, mTileFlags, window_left,
-                    window_right, softcap_scale, mSlopes, mBlockTable, page_shift, mSink).launch(
+                    window_right, softcap_scale, mSlopes, mBlockTable, page_shift, mSink,
+                    sink_group).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def make_mma_qk(self, cols: int) -> cute.TiledMma:
@@ -340,12 +343,12 @@ class FlashFwdSm90:
                window_left: Optional[Int32], window_right: Optional[Int32],
                softcap_scale: Optional[Float32], mSlopes: Optional[cute.Tensor],
                mBlockTable: Optional[cute.Tensor], page_shift: Optional[Int32],
-               mSink: Optional[cute.Tensor]):
+               mSink: Optional[cute.Tensor], sink_group: Optional[Int32]):
         self.window = (window_left, window_right) if const_expr(self.local) else None
         self.mBlockTable = mBlockTable
         self.kv_loads = KvLoads(self.dtype, self.tile_n, self.d, self.page_rows, page_shift)
         self.softcap_scale = softcap_scale
-        self.mSlopes, self.mSink = mSlopes, mSink
+        self.mSlopes, self.mSink, self.sink_group = mSlopes, mSink, sink_group
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -930,9 +933,17 @@ class FlashFwdSm90:
             # Rebuilt per tile: addresses derived from the hoisted index stayed live across the
             # varlen walk and spilled (d=64: 4 bytes; d=256 causal: 56).
             tidx = opaque_thread_idx() - WG_THREADS
+        thr_mma = mma_pv.get_slice(tidx)
+        tOcO = acc_as_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
-        sink_log2 = self.mSink[head] * Float32(LOG2E) if const_expr(self.sink) else None
-        rescale_rows(tOrO, softmax.finalize(lse, sink_log2))
+        sinks = None
+        if const_expr(self.sink):  # each row's sink, in exp2 units
+            sinks = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
+            for r in cutlass.range_constexpr(cute.size(sinks)):
+                seq_row = m_block * self.tile_m + tOcO[r, 0][0]
+                sinks[r] = self.mSink[head * self.sink_group + seq_row % self.sink_group] * \
+                    Float32(LOG2E)
+        rescale_rows(tOrO, softmax.finalize(lse, sinks))
         rO = cute.make_rmem_tensor_like(tOrO, self.dtype)
         rO.store(tOrO.load().to(self.dtype))
 
@@ -941,8 +952,6 @@ class FlashFwdSm90:
         stmatrix_acc(mma_pv, rO, sO, tidx)
 
         # LSE: the thread holding column 0 of a row writes it.
-        thr_mma = mma_pv.get_slice(tidx)
-        tOcO = acc_as_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         gLSE = cute.local_tile(seq.q_rows(mLSE, head, batch), (self.tile_m,), (m_block,))
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
