@@ -933,16 +933,10 @@ class FlashFwdSm90:
             # Rebuilt per tile: addresses derived from the hoisted index stayed live across the
             # varlen walk and spilled (d=64: 4 bytes; d=256 causal: 56).
             tidx = opaque_thread_idx() - WG_THREADS
-        thr_mma = mma_pv.get_slice(tidx)
-        tOcO = acc_as_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         lse = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
         sinks = None
-        if const_expr(self.sink):  # each row's sink, in exp2 units
-            sinks = cute.make_rmem_tensor_like(softmax.row_sum, Float32)
-            for r in cutlass.range_constexpr(cute.size(sinks)):
-                seq_row = m_block * self.tile_m + tOcO[r, 0][0]
-                sinks[r] = self.mSink[head * self.sink_group + seq_row % self.sink_group] * \
-                    Float32(LOG2E)
+        if const_expr(self.sink):
+            sinks = self.row_sinks(mma_pv, tidx, m_block, head, lse)
         rescale_rows(tOrO, softmax.finalize(lse, sinks))
         rO = cute.make_rmem_tensor_like(tOrO, self.dtype)
         rO.store(tOrO.load().to(self.dtype))
@@ -952,6 +946,8 @@ class FlashFwdSm90:
         stmatrix_acc(mma_pv, rO, sO, tidx)
 
         # LSE: the thread holding column 0 of a row writes it.
+        thr_mma = mma_pv.get_slice(tidx)
+        tOcO = acc_as_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         gLSE = cute.local_tile(seq.q_rows(mLSE, head, batch), (self.tile_m,), (m_block,))
         if tOcO[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
@@ -993,6 +989,20 @@ class FlashFwdSm90:
                     # The other warps' last sQ reads (QK^T) precede their sO writes, which
                     # precede the EPILOGUE barrier: this warp alone may release Q.
                     pipe_q.consumer_release(q)
+
+    @cute.jit
+    def row_sinks(self, mma_pv: cute.TiledMma, tidx: Int32, m_block: Int32, head: Int32,
+                  like: cute.Tensor) -> cute.Tensor:
+        """The sink of each row this thread finalizes, in exp2 units: row i of the sequence in
+        kernel head h takes sink[h * sink_group + i % sink_group]."""
+        tOcO = acc_as_mn(mma_pv.get_slice(tidx).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.d))))
+        sinks = cute.make_rmem_tensor_like(like, Float32)
+        for r in cutlass.range_constexpr(cute.size(sinks)):
+            seq_row = m_block * self.tile_m + tOcO[r, 0][0]
+            sinks[r] = self.mSink[head * self.sink_group + seq_row % self.sink_group] * \
+                Float32(LOG2E)
+        return sinks
 
     @cute.jit
     def store_partial(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
