@@ -12,7 +12,8 @@ bandwidth it reaches (K and V bytes read once / time). The outputs are compared 
 first. --splits adds flash_cute with num_splits forced to each count; --graph captures each
 call once in a CUDA graph and times its replays; --page adds flash_cute on the same cache in
 shuffled pages of that many rows (block_table) (a serving loop's decode step: the host's
-Python path gone, the GPU time of every kernel the call queues left).
+Python path gone, the GPU time of every kernel the call queues left); --sink adds
+flash_cute with learnable sinks, unsplit and at each --splits count (their cost).
 """
 import argparse
 import statistics
@@ -52,6 +53,8 @@ def main():
     ap.add_argument("--splits", type=int, nargs="*", default=[])
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--page", type=int, default=0)
+    ap.add_argument("--sink", action="store_true",
+                    help="add flash_cute (and its splits) with learnable sinks (gpt-oss)")
     args = ap.parse_args()
     h, hk, d = args.heads[0], args.heads[1], args.d
     try:
@@ -72,6 +75,13 @@ def main():
                 fns[f"flash_cute_splits{s}"] = (
                     lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=used,
                                                         causal=True, num_splits=s))
+            if args.sink:  # sinks change the output: compared with themselves only
+                sink = torch.randn(h, device="cuda") + 4
+                for s in (0, *args.splits):
+                    fns[f"flash_cute_sink_splits{s}"] = (
+                        lambda s=s: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=used,
+                                                            causal=True, num_splits=s,
+                                                            learnable_sink=sink))
             if args.page:  # the same caches as a pool of shuffled pages
                 per = n // args.page
                 perm = torch.randperm(b * per, device="cuda")
@@ -96,7 +106,7 @@ def main():
                     got = got[0] if isinstance(got, tuple) else got
                     got = got.transpose(1, 2) if name == "sdpa" else got
                     diff = (got.float() - ref.float()).abs().max().item()
-                    if diff > 2e-2:
+                    if diff > 2e-2 and "sink" not in name:
                         print(f"  {name}: differs from flash_cute by {diff:.3g}")
                 except Exception as e:  # a peer that cannot run this cell
                     print(f"  {name}: {type(e).__name__}: {str(e)[:120]}")
