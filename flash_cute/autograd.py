@@ -184,7 +184,7 @@ def _grads_fake(q, k, v, learnable_sink):
     empty)."""
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     if learnable_sink is None:
-        return (*grads, q.new_empty((0,), dtype=torch.float32))
+        return _with_dsink(grads, q)
     return (*grads, torch.empty_like(learnable_sink))
 
 

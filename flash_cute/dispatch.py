@@ -541,7 +541,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: flo
     sink = sinks_f32(learnable_sink)
     if sk == 0:  # no keys: every row is fully masked (with sinks, they alone count)
         out.zero_()
-        lse.copy_(sink[:, None].expand(b, h, sq)) if sink is not None else lse.fill_(-math.inf)
+        if sink is None:
+            lse.fill_(-math.inf)
+        else:
+            lse.copy_(sink[:, None].expand(b, h, sq))
         return out, lse
     arch = _device_arch(q.device)
     plan = fwd_plan(d, bool(causal), b * h, sq, sk, q.device, window=window)

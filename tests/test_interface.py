@@ -489,17 +489,24 @@ def test_softcap_eager_grads(standin, softcap, window):
         torch.testing.assert_close(g, w.to(BF16), **ONE_BF16_STEP)
 
 
-def test_opcheck_softcap(standin):
+def _opcheck_batched(args):
+    """opcheck of flash_cute::fwd and ::bwd on small GQA inputs, ``args`` the op arguments
+    after q, k, v; returns the dout it used."""
     q, k, v = (rand(2, 5, 4, 64, grad=False), rand(2, 7, 2, 64, seed=1, grad=False),
                rand(2, 7, 2, 64, seed=2, grad=False))
-    args = (0.3, False, False, -1, -1, 2.0)
     torch.library.opcheck(torch.ops.flash_cute.fwd.default, (q, k, v, *args),
                           test_utils=OPCHECK_TESTS)
     out, lse = torch.ops.flash_cute.fwd(q, k, v, *args)
-    assert standin[-1]["softcap"] == 2.0
     dout = rand(2, 5, 4, 64, seed=3, grad=False)
     torch.library.opcheck(torch.ops.flash_cute.bwd.default,
                           (dout, q, k, v, out, lse, *args), test_utils=OPCHECK_TESTS)
+    return dout
+
+
+def test_opcheck_softcap(standin):
+    args = (0.3, False, False, -1, -1, 2.0)
+    _opcheck_batched(args)
+    assert standin[-1]["softcap"] == 2.0
     cu, used, q, k, v = _varlen_case()
     q, k, v = (t.detach() for t in (q, k, v))
     torch.library.opcheck(torch.ops.flash_cute.varlen_fwd.default,
@@ -540,15 +547,8 @@ def test_alibi_eager_grads(standin, slopes_2d, causal, softcap):
 
 
 def test_opcheck_alibi(standin):
-    q, k, v = (rand(2, 5, 4, 64, grad=False), rand(2, 7, 2, 64, seed=1, grad=False),
-               rand(2, 7, 2, 64, seed=2, grad=False))
     args = (0.3, True, False, -1, -1, 0.0, torch.rand(4))
-    torch.library.opcheck(torch.ops.flash_cute.fwd.default, (q, k, v, *args),
-                          test_utils=OPCHECK_TESTS)
-    out, lse = torch.ops.flash_cute.fwd(q, k, v, *args)
-    dout = rand(2, 5, 4, 64, seed=3, grad=False)
-    torch.library.opcheck(torch.ops.flash_cute.bwd.default,
-                          (dout, q, k, v, out, lse, *args), test_utils=OPCHECK_TESTS)
+    _opcheck_batched(args)
     cu, used, q, k, v = _varlen_case()
     q, k, v = (t.detach() for t in (q, k, v))
     torch.library.opcheck(torch.ops.flash_cute.varlen_fwd.default,
@@ -561,12 +561,20 @@ def test_opcheck_alibi(standin):
 def test_torch_compile_score_mod_fullgraph(standin, opts):
     """torch.compile over a softcapped or ALiBi call: one graph, the option reaching the
     forward, the eager gradients bit for bit."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     def loss(q, k, v):
         return flash_cute.flash_attn_func(q, k, v, causal=True, **opts).float().square().mean()
 
     args = (rand(2, 6, 4, 64), rand(2, 8, 2, 64, seed=1), rand(2, 8, 2, 64, seed=2))
+    _compiled_grads_equal_eager(loss, args)
+    name, value = next(iter(opts.items()))
+    assert standin[-1][name] is value or standin[-1][name] == value
+
+
+def _compiled_grads_equal_eager(loss, args):
+    """torch.compile(loss, fullgraph=True) makes one graph holding flash_cute::fwd, and its
+    gradients for ``args`` equal the eager ones bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     try:
@@ -575,8 +583,6 @@ def test_torch_compile_score_mod_fullgraph(standin, opts):
     finally:
         torch._dynamo.reset()
     assert counter.frame_count == 1 and "flash_cute.fwd" in counter.graphs[0].code
-    name, value = next(iter(opts.items()))
-    assert standin[-1][name] is value or standin[-1][name] == value
     for a, b in zip(got, torch.autograd.grad(loss(*args), args)):
         assert torch.equal(a, b)
 
@@ -625,15 +631,8 @@ def test_sink_without_grad_takes_no_autograd(standin):
 
 
 def test_opcheck_sink(standin):
-    q, k, v = (rand(2, 5, 4, 64, grad=False), rand(2, 7, 2, 64, seed=1, grad=False),
-               rand(2, 7, 2, 64, seed=2, grad=False))
     args = (0.3, True, False, -1, -1, 0.0, None, torch.randn(4))
-    torch.library.opcheck(torch.ops.flash_cute.fwd.default, (q, k, v, *args),
-                          test_utils=OPCHECK_TESTS)
-    out, lse = torch.ops.flash_cute.fwd(q, k, v, *args)
-    dout = rand(2, 5, 4, 64, seed=3, grad=False)
-    torch.library.opcheck(torch.ops.flash_cute.bwd.default,
-                          (dout, q, k, v, out, lse, *args), test_utils=OPCHECK_TESTS)
+    dout = _opcheck_batched(args)
     cu, used, q, k, v = _varlen_case()
     q, k, v = (t.detach() for t in (q, k, v))
     vargs = (q, k, v, cu, cu, used, used, 6, 6, *args)
@@ -648,21 +647,10 @@ def test_opcheck_sink(standin):
 def test_torch_compile_sink_fullgraph(standin):
     """torch.compile over a call with a trainable sink: one graph, and the eager gradients
     (dsink included) bit for bit."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     def loss(q, k, v, s):
         out = flash_cute.flash_attn_func(q, k, v, causal=True, learnable_sink=s)
         return out.float().square().mean()
 
     args = (rand(2, 6, 4, 64), rand(2, 8, 2, 64, seed=1), rand(2, 8, 2, 64, seed=2),
             torch.randn(4, requires_grad=True))
-    counter = CompileCounterWithBackend("aot_eager")
-    torch._dynamo.reset()
-    try:
-        got = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=counter)(*args),
-                                  args)
-    finally:
-        torch._dynamo.reset()
-    assert counter.frame_count == 1 and "flash_cute.fwd" in counter.graphs[0].code
-    for a, b in zip(got, torch.autograd.grad(loss(*args), args)):
-        assert torch.equal(a, b)
+    _compiled_grads_equal_eager(loss, args)
