@@ -83,20 +83,31 @@ NO_SOFTCAP = None
 # last two arguments).
 NO_PAGED = (None,) * 2
 # Paged caches are read in place where a page holds 2^n whole key blocks of the paged kernels'
-# PAGED_TILE_N rows (a TMA per key block), or is one of SMALL_PAGES (a TMA per page, whole
-# 8-row swizzle groups: vLLM's 16 up); other page sizes and head dims gather the pages first.
+# PAGED_TILE_N rows (a TMA per key block), or is one of SMALL_PAGES (a TMA per page and swizzle
+# atom column: SGLang's 1 up to 64); other page sizes and head dims gather the pages first.
 PAGED_TILE_N = 128
 PAGED_HEAD_DIMS = (64, 96, 128)
-SMALL_PAGES = (16, 32, 64)
+SMALL_PAGES = (1, 2, 4, 8, 16, 32, 64)
+# A TMA box must start 128-byte aligned in shared memory: a page's rows of one atom column
+# (d=96: 64-byte rows) must fill whole multiples of it.
+TMA_SMEM_ALIGN = 128
 
 
 def paged_in_place(d: int, page_size: int) -> bool:
     """Whether the varlen forward reads a paged cache of this head dim and page size in place:
-    pages of PAGED_TILE_N times a power of two rows, or SMALL_PAGES (else the caller gathers
-    its pages: kvcache.py)."""
+    pages of PAGED_TILE_N times a power of two rows, or SMALL_PAGES whose rows of a swizzle
+    atom column start aligned (else the caller gathers its pages: kvcache.py)."""
     blocks = page_size // PAGED_TILE_N
-    return d in PAGED_HEAD_DIMS and (page_size in SMALL_PAGES or (
-        page_size % PAGED_TILE_N == 0 and blocks & (blocks - 1) == 0))
+    if d not in PAGED_HEAD_DIMS:
+        return False
+    if page_size in SMALL_PAGES:
+        return page_size * _atom_row_bytes(d) % TMA_SMEM_ALIGN == 0
+    return page_size % PAGED_TILE_N == 0 and blocks & (blocks - 1) == 0
+
+
+def _atom_row_bytes(d: int) -> int:
+    """Bytes of one row of a 16-bit K / V tile's swizzle atom (kernels/sm90/wgmma.atom_cols)."""
+    return next(w for w in (128, 64, 32) if 2 * d % w == 0)
 
 
 def page_args(block_table, page_size: int):

@@ -375,13 +375,16 @@ def test_combine_splits_compiles(dtype, d, sink, tmp_path, monkeypatch):
 
 # Paged varlen kernels (FlashFwdSm90 paged: a block table maps key blocks to pool blocks):
 # each head dim / mask / own_o the varlen launch picks, pages of whole blocks (page_rows 0)
-# and of 16 / 32 / 64 rows (a TMA per page), and a few score modifications.
+# and of 1 .. 64 rows (a TMA per page and atom column), and a few score modifications.
 PAGED = (sorted({(d, c, (), fwd_own_o(d, c, sk), rows) for d in dispatch.PAGED_HEAD_DIMS
                  for c in (False, True) for sk in (1000, 100000)
-                 for rows in (0, *dispatch.SMALL_PAGES)})
+                 for rows in (0, *dispatch.SMALL_PAGES)
+                 if not rows or dispatch.paged_in_place(d, rows)})
          + [(128, True, ("local",), True, 0), (128, False, ("softcap",), True, 0),
             (64, True, ("alibi",), True, 0), (128, True, ("local",), True, 16),
-            (128, False, ("softcap",), True, 32), (64, True, ("alibi",), True, 16)])
+            (128, False, ("softcap",), True, 32), (64, True, ("alibi",), True, 16),
+            (128, True, ("sink",), True, 1), (128, False, ("softcap",), True, 4),
+            (64, True, ("alibi",), True, 8)])
 # The load warp (24 registers) holds the table row beside its walk: d=96 causal spills one
 # word per tile there (an STL before the walk, an LDL per tile), d=64 causal with ALiBi one.
 PAGED_SPILLS = {(96, True, (), 0): 2, (64, True, ("alibi",), 0): 1,
@@ -392,8 +395,8 @@ PAGED_SPILLS = {(96, True, (), 0): 2, (64, True, ("alibi",), 0): 1,
 def test_fwd_paged_variant_compiles(d, causal, mods, own_o, page_rows, tmp_path, monkeypatch):
     """Spills only where PAGED_SPILLS knows them, wgmma not serialized (ptxas did serialize
     some small-page loops: copy_pages' unroll), the page loop's TMA boxes: one per block per
-    copy site, or for small pages per page and swizzle atom column (the loop unrolled by 2 at
-    d=128 with >= 4 pages per block)."""
+    copy site, or for small pages per page and swizzle atom column (the loop unrolled as
+    fwd_kv.PAGE_LOOP_UNROLL_D128 says)."""
     monkeypatch.chdir(tmp_path)
     ctas, dynamic = dispatch._varlen_persistent_ctas(None, d, causal, 16384, 8, 16, 132) \
         or (None, False)
@@ -412,6 +415,7 @@ def test_fwd_paged_variant_compiles(d, causal, mods, own_o, page_rows, tmp_path,
     # small pages times the page loop's unroll.
     import cutlass
     from flash_cute.kernels.sm90.wgmma import atom_cols
-    unroll = 2 if page_rows and d == 128 and dispatch.PAGED_TILE_N // page_rows > 2 else 1
+    from flash_cute.kernels.sm90.fwd_kv import page_loop_unroll
+    unroll = page_loop_unroll(d, causal, page_rows) if page_rows else 1
     assert ops["UTMALDG"] == d // atom_cols(cutlass.BFloat16, d) * (1 + 4 * unroll), ops
 

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flash_cute
+from flash_cute import dispatch
 from flash_cute.reference import attention_ref, check_close
 
 BF16 = torch.bfloat16
@@ -164,8 +165,8 @@ def test_paged_cache_matches_contiguous(standin, b, page, pages, s_new, sq, caus
                                         seed):
     """block_table: the same outputs as the contiguous caches the pages spell out, the new
     tokens written into their pages in place, table entries past the used pages ignored.
-    Pages of 128 / 256 rows go to the kernel as pools with the table (split-KV: a table per
-    chunk); the others as a gathered copy."""
+    Pages of 1 / 8 / 128 / 256 rows go to the kernel as pools with the table (split-KV: a
+    table per chunk); 3-row pages as a gathered copy."""
     gen = torch.Generator().manual_seed(seed)
     h, hk, d, s = 4, 2, 64, page * pages
     s_new = min(s_new, s)
@@ -188,8 +189,9 @@ def test_paged_cache_matches_contiguous(standin, b, page, pages, s_new, sq, caus
     out, lse = flash_cute.flash_attn_with_kvcache(q, k_pool, v_pool, k, v, block_table=table,
                                                   **kw)
     call = standin[-1]
-    assert ("block_table" in call) == (page >= 128)
-    if page >= 128:
+    in_place = dispatch.paged_in_place(d, page)
+    assert in_place == (page != 3) and ("block_table" in call) == in_place
+    if in_place:
         assert call["k"].data_ptr() == k_pool.data_ptr()
         assert call["block_table"].stride(1) == 1
     # The oracle sums over a sequence's keys alone from a paged call's pools, over the cache

@@ -2,12 +2,15 @@
 
 Contiguous K / V, or pages of whole blocks (paged, ``page_shift``: log2 of the blocks per
 page): one TMA box per block, from block n, or from block (table[n >> shift] << shift) +
-n % 2^shift of the pool. Pages smaller than a block (``page_rows`` = 16 / 32 / 64): one box
-per page and swizzle atom column, page j of block n being table entry n * tile_n / page_rows
-+ j. In sK / sV an atom column's rows are contiguous (make_smem_layout repeats the atoms down
-the rows first), so a page's rows of it form a smaller swizzled tile wherever the page lands
-in the block; every box of a block arrives on the stage's one barrier, whose byte count is
-the block's either way.
+n % 2^shift of the pool. Pages smaller than a block (``page_rows`` 1 .. 64): one box per page
+and swizzle atom column, page j of block n being table entry n * tile_n / page_rows + j. In
+sK / sV an atom column's rows are contiguous (make_smem_layout repeats the atoms down the
+rows first), so a page's rows of it form a smaller swizzled tile wherever the page lands in
+the block. Pages of fewer rows than the atom's 8 start inside an atom: their box is aimed at
+the rows' unswizzled address, and TMA swizzles by shared-memory address bits, so the rows
+land where the wgmma reads them (a box must start 128-byte aligned: d=96's 64-byte atom rows
+need pages of 2 rows up, dispatch.paged_in_place). Every box of a block arrives on the
+stage's one barrier, whose byte count is the block's either way.
 """
 from functools import partial
 
@@ -19,17 +22,43 @@ from cutlass.cute.nvgpu import cpasync
 from .pipelines import tma_split
 from .wgmma import atom_cols, make_smem_layout
 
+# Rows of a 128 / 64 / 32-byte swizzle atom.
+SWIZZLE_ROWS = 8
+
+
+# copy_pages' loop unroll at d=128 by (causal, page_rows); 1 elsewhere. ptxas serialized the
+# consumers' wgmma (C7511: "insufficient register resources") for the other unrolls tried
+# (1, 2, 4) and spilled the load warp beyond them; no rule covers the pattern, so
+# tests/test_compile.py pins each entry.
+PAGE_LOOP_UNROLL_D128 = {(False, 16): 2, (False, 32): 2, (True, 1): 2, (True, 2): 4,
+                         (True, 4): 4, (True, 8): 2, (True, 16): 2, (True, 32): 2}
+
+
+def page_loop_unroll(d: int, causal: bool, page_rows: int) -> int:
+    return PAGE_LOOP_UNROLL_D128.get((causal, page_rows), 1) if d == 128 else 1
+
 
 class KvLoads:
-    def __init__(self, dtype, tile_n: int, d: int, page_rows: int = 0, page_shift=None):
+    def __init__(self, dtype, tile_n: int, d: int, page_rows: int = 0, page_shift=None,
+                 unroll: int = 1):
         self.dtype, self.tile_n, self.d = dtype, tile_n, d
-        self.page_rows, self.page_shift = page_rows, page_shift
+        self.page_rows, self.page_shift, self.unroll = page_rows, page_shift, unroll
         self.box = (page_rows, atom_cols(dtype, d)) if page_rows else (tile_n, d)
+
+    def box_layout(self):
+        """The box's swizzled shared-memory layout; a box of fewer rows than the swizzle
+        atom's 8 keeps the atom's swizzle over its own rows."""
+        rows, cols = self.box
+        if rows >= SWIZZLE_ROWS:
+            return make_smem_layout(self.dtype, self.box)
+        atom = make_smem_layout(self.dtype, (SWIZZLE_ROWS, cols))
+        return cute.make_composed_layout(atom.inner, 0,
+                                         cute.make_layout((rows, cols), stride=(cols, 1)))
 
     def make_tma(self, mX: cute.Tensor):
         """(atom, tensor) of the G2S TMA for one box of mX (host side)."""
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mX,
-                                           make_smem_layout(self.dtype, self.box), self.box)
+                                           self.box_layout(), self.box)
 
     def block(self, n: Int32, pages=None):
         """Where key block n lies in mK / mV: block n, or paged through the sequence's pages
@@ -57,12 +86,18 @@ class KvLoads:
         """Key block n from its tile_n / page_rows pages into one stage (sX), a box per page
         and atom column."""
         per = self.tile_n // self.page_rows
-        # ptxas serialized the consumers' wgmma (C7511) at d=128 unless a loop of >= 4 pages
-        # unrolls by 2, and spilled fully unrolled loops (tests/test_compile.py pins both).
-        unroll = 2 if self.d == 128 and per > 2 else 1
-        for j in cutlass.range(per, unroll=unroll):
+        for j in cutlass.range(per, unroll=self.unroll):
             page = pages[n * per + j]
             for c in cutlass.range_constexpr(cute.size(gX, mode=[3])):
-                tXsX, tXgX = tma_split(tma, cute.local_tile(sX, self.box, (j, c)),
-                                       gX[None, None, page, c])
+                if const_expr(self.page_rows >= SWIZZLE_ROWS):
+                    sBox = cute.local_tile(sX, self.box, (j, c))
+                else:
+                    # Part of an atom: the box starts at its rows' unswizzled address (an atom
+                    # column's rows are contiguous) and TMA swizzles by address bits.
+                    rows, cols = self.box
+                    off = (c * self.tile_n + j * rows) * cols * self.dtype.width // 8
+                    ptr = cute.make_ptr(self.dtype, sX.iterator.toint() + off,
+                                        cute.AddressSpace.smem, assumed_align=128)
+                    sBox = cute.make_tensor(ptr, self.box_layout())
+                tXsX, tXgX = tma_split(tma, sBox, gX[None, None, page, c])
                 cute.copy(tma, tXgX, tXsX, tma_bar_ptr=bar)
