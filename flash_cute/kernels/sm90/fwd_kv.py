@@ -24,6 +24,7 @@ from .wgmma import atom_cols, make_smem_layout
 
 # Rows of a 128 / 64 / 32-byte swizzle atom.
 SWIZZLE_ROWS = 8
+WARP = 32
 
 
 # copy_pages' loop unroll at d=128 by (causal, page_rows); 1 elsewhere. ptxas serialized the
@@ -86,18 +87,32 @@ class KvLoads:
         """Key block n from its tile_n / page_rows pages into one stage (sX), a box per page
         and atom column."""
         per = self.tile_n // self.page_rows
-        for j in cutlass.range(per, unroll=self.unroll):
-            page = pages[n * per + j]
-            for c in cutlass.range_constexpr(cute.size(gX, mode=[3])):
-                if const_expr(self.page_rows >= SWIZZLE_ROWS):
-                    sBox = cute.local_tile(sX, self.box, (j, c))
-                else:
-                    # Part of an atom: the box starts at its rows' unswizzled address (an atom
-                    # column's rows are contiguous) and TMA swizzles by address bits.
-                    rows, cols = self.box
-                    off = (c * self.tile_n + j * rows) * cols * self.dtype.width // 8
-                    ptr = cute.make_ptr(self.dtype, sX.iterator.toint() + off,
-                                        cute.AddressSpace.smem, assumed_align=128)
-                    sBox = cute.make_tensor(ptr, self.box_layout())
-                tXsX, tXgX = tma_split(tma, sBox, gX[None, None, page, c])
-                cute.copy(tma, tXgX, tXsX, tma_bar_ptr=bar)
+        # The warp reads the block's table entries at once, a lane per page (a thread's
+        # reads one by one cost a round trip each: 128 at 1-row pages), each clamped to the
+        # table row: the last block's pages past the sequence are loaded but never read.
+        lane = cute.arch.lane_idx()
+        last = pages.shape[0] - 1
+        for g in cutlass.range_constexpr((per + WARP - 1) // WARP):
+            mine = pages[cutlass.min(n * per + g * WARP + lane, last)]
+            for jj in cutlass.range(min(per, WARP), unroll=self.unroll):
+                j = g * WARP + jj
+                page = cute.arch.shuffle_sync(mine, jj)
+                self.copy_page(tma, gX, sX, page, j, bar)
+
+    @cute.jit
+    def copy_page(self, tma: cute.CopyAtom, gX: cute.Tensor, sX: cute.Tensor, page: Int32,
+                  j: Int32, bar):
+        """Pool page ``page`` into rows j * page_rows.. of sX, a box per atom column."""
+        for c in cutlass.range_constexpr(cute.size(gX, mode=[3])):
+            if const_expr(self.page_rows >= SWIZZLE_ROWS):
+                sBox = cute.local_tile(sX, self.box, (j, c))
+            else:
+                # Part of an atom: the box starts at its rows' unswizzled address (an atom
+                # column's rows are contiguous) and TMA swizzles by address bits.
+                rows, cols = self.box
+                off = (c * self.tile_n + j * rows) * cols * self.dtype.width // 8
+                ptr = cute.make_ptr(self.dtype, sX.iterator.toint() + off,
+                                    cute.AddressSpace.smem, assumed_align=128)
+                sBox = cute.make_tensor(ptr, self.box_layout())
+            tXsX, tXgX = tma_split(tma, sBox, gX[None, None, page, c])
+            cute.copy(tma, tXgX, tXsX, tma_bar_ptr=bar)
