@@ -140,7 +140,7 @@ from ..common.softmax import LOG2E, OnlineSoftmax, rescale_rows, softcap_scores
 from . import fwd_split
 from .epilogue import stmatrix_acc, store_smem_rows, tma_store
 from .pipelines import make_tma_pipelines, tma_split
-from .fwd_kv import KvLoads, page_loop_unroll
+from .fwd_kv import KvLoads
 from .wgmma import gemm, make_smem_layout
 
 WG_THREADS = 128
@@ -346,8 +346,7 @@ class FlashFwdSm90:
                mSink: Optional[cute.Tensor], sink_group: Optional[Int32]):
         self.window = (window_left, window_right) if const_expr(self.local) else None
         self.mBlockTable = mBlockTable
-        self.kv_loads = KvLoads(self.dtype, self.tile_n, self.d, self.page_rows, page_shift,
-                                page_loop_unroll(self.d, self.causal, self.page_rows))
+        self.kv_loads = KvLoads(self.dtype, self.tile_n, self.d, self.page_rows, page_shift)
         self.softcap_scale = softcap_scale
         self.mSlopes, self.mSink, self.sink_group = mSlopes, mSink, sink_group
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())

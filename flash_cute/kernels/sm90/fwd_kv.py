@@ -27,23 +27,18 @@ SWIZZLE_ROWS = 8
 WARP = 32
 
 
-# copy_pages' loop unroll at d=128 by (causal, page_rows); 1 elsewhere. ptxas serialized the
-# consumers' wgmma (C7511: "insufficient register resources") for the other unrolls tried
-# (1, 2, 4) and spilled the load warp beyond them; no rule covers the pattern, so
-# tests/test_compile.py pins each entry.
-PAGE_LOOP_UNROLL_D128 = {(False, 16): 2, (False, 32): 2, (True, 1): 2, (True, 2): 4,
-                         (True, 4): 4, (True, 8): 2, (True, 16): 2, (True, 32): 2}
-
-
-def page_loop_unroll(d: int, causal: bool, page_rows: int) -> int:
-    return PAGE_LOOP_UNROLL_D128.get((causal, page_rows), 1) if d == 128 else 1
+# copy_pages' page loop unrolls by 2 at d=128 (else 1): ptxas serialized the consumers' wgmma
+# (C7511, "insufficient register resources") at d=128 for unroll 1 with some page sizes, and
+# spilled the load warp at 4 and up; tests/test_compile.py pins it per page size.
+def page_loop_unroll(d: int) -> int:
+    return 2 if d == 128 else 1
 
 
 class KvLoads:
-    def __init__(self, dtype, tile_n: int, d: int, page_rows: int = 0, page_shift=None,
-                 unroll: int = 1):
+    def __init__(self, dtype, tile_n: int, d: int, page_rows: int = 0, page_shift=None):
         self.dtype, self.tile_n, self.d = dtype, tile_n, d
-        self.page_rows, self.page_shift, self.unroll = page_rows, page_shift, unroll
+        self.page_rows, self.page_shift = page_rows, page_shift
+        self.unroll = page_loop_unroll(d)
         self.box = (page_rows, atom_cols(dtype, d)) if page_rows else (tile_n, d)
 
     def box_layout(self):
