@@ -21,7 +21,8 @@ depends on positions (see ``splittable``); each chunk's output is rounded to the
 before the merge.
 
 Paged caches (``block_table``): pools of pages (pages, page_size, hk, d). Pages of 128 x 2^n
-or 16 / 32 / 64 rows at d <= 128 go to the paged varlen kernels as they are, with the table
+or 1 / 2 / 4 / ... / 64 rows at d <= 128 (d=96: 2 rows up) go to the paged varlen kernels as
+they are, with the table
 (a split's chunks are whole pages and key blocks, each with its slice of the table); other
 pages are gathered into contiguous caches first. Index arrays (prefix sums, chunk bounds) are cached per shape from eager code
 only, so a decode step can be captured in a CUDA graph.
@@ -364,8 +365,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     block_table (b, max_pages) int32: paged caches, k_cache / v_cache (num_pages, page_size,
     hk, d), page j of sequence i at k_cache[block_table[i, j]] (any page size; not with
     cache_batch_idx or cache_leftpad). New tokens go into the pages in place. Pages of
-    128 x 2^n or 16 / 32 / 64 rows at head dims 64 / 96 / 128 are read in place
-    (dispatch.paged_in_place);
+    128 x 2^n or 1 / 2 / 4 / ... / 64 rows at head dims 64 / 96 / 128 (d=96: 2 rows up) are
+    read in place (dispatch.paged_in_place);
     other page sizes and head dims, and traced calls, read a gathered copy of each
     sequence's pages.
     learnable_sink (h,): as in flash_attn_func (gpt-oss serving): joined in the forward's
