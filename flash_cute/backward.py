@@ -319,16 +319,16 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
         # GQA kernel keeps the lockstep one (same tile and padding, so the host is unchanged).
         cfg_overrides = {**BWD_LOCKSTEP_128, **cfg_overrides}
     if varlen:
-        # Early LSE / D spilled in session 4's varlen kernel; with today's staggered d=128
-        # kernel ptxas is clean except non-causal deterministic (8 bytes). Not yet GPU-checked
-        # there: off unless asked for (FLASH_CUTE_BWD_CONFIG=early_lse_d=1; asked for, the GQA
-        # d=128 kernel also leaves the lockstep split above and spills).
-        cfg_overrides.setdefault("early_lse_d", False)
-        # ds_before_dv measured 0.5-0.8% slower per varlen step in two runs (sessions 26, 27)
-        cfg_overrides.setdefault("ds_before_dv", False)
-        # v_with_do (V on the first dO stage; its tail rows zeroed after that wait): the same
-        # GPU time per varlen step, 843 / 842 and 631 / 630 us (session 30): off unless asked.
-        cfg_overrides.setdefault("v_with_do", False)
+        # The batched kernel's order (LSE / D read early, dS^T before dV's issue, V on the
+        # first dO stage, its tail rows zeroed after that wait) for d=128 without GQA or
+        # determinism: one by one they measured flat or 0.5-0.8% slower per varlen step
+        # (sessions 26-30), together -1.0 / -1.1% on the main kernel in two runs (session 48,
+        # H100, bench/varlen_workload.py --bwd-configs). Elsewhere off: the GQA d=128 kernel
+        # then leaves the lockstep split above and spills, non-causal deterministic spills
+        # 8 bytes with early LSE / D, and d = 64 / 96 were not timed together.
+        batched_order = d == 128 and not gqa and not deterministic
+        for field in ("early_lse_d", "ds_before_dv", "v_with_do"):
+            cfg_overrides.setdefault(field, batched_order)
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
     if cfg.timeline and deterministic:
         raise NotImplementedError("BwdSm90Config.timeline: non-deterministic calls only "
