@@ -320,13 +320,13 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
         cfg_overrides = {**BWD_LOCKSTEP_128, **cfg_overrides}
     if varlen:
         # The batched kernel's order (LSE / D read early, dS^T before dV's issue, V on the
-        # first dO stage, its tail rows zeroed after that wait) for d=128 without GQA or
-        # determinism: one by one they measured flat or 0.5-0.8% slower per varlen step
-        # (sessions 26-30), together -1.0 / -1.1% on the main kernel in two runs (session 48,
-        # H100, bench/varlen_workload.py --bwd-configs). Elsewhere off: the GQA d=128 kernel
-        # then leaves the lockstep split above and spills, non-causal deterministic spills
-        # 8 bytes with early LSE / D, and d = 64 / 96 were not timed together.
-        batched_order = d == 128 and not gqa and not deterministic
+        # first dO stage, its tail rows zeroed after that wait) for the plain d=128 kernel:
+        # one by one they measured flat or 0.5-0.8% slower per varlen step (sessions 26-30),
+        # together -1.0 / -1.1% on the main kernel in two runs (session 48, H100,
+        # bench/varlen_workload.py --bwd-configs). Elsewhere off: the GQA d=128 kernel then
+        # leaves the lockstep split above and spills, non-causal deterministic spills 8 bytes
+        # with early LSE / D, and d = 64 / 96 and the score-mod / window twins were not timed.
+        batched_order = d == 128 and not (gqa or deterministic or local or softcap or alibi)
         for field in ("early_lse_d", "ds_before_dv", "v_with_do"):
             cfg_overrides.setdefault(field, batched_order)
     cfg = dataclasses.replace(BwdSm90Config.for_head_dim(d), **cfg_overrides)
