@@ -307,15 +307,20 @@ def test_bwd_post_panel_read_model():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_bwd_varlen_early_lse_d_compiles(causal, tmp_path, monkeypatch):
-    """Early LSE / D reads in the varlen d=128 kernel: off by default (backward._compile_main),
-    on when asked for, and then spill-free (not yet GPU-checked; docs/performance.md)."""
+def test_bwd_varlen_batched_order_compiles(causal, tmp_path, monkeypatch):
+    """The plain varlen d=128 kernel takes the batched kernel's order by default (early LSE /
+    D, dS^T before dV, V on the first dO stage: backward._compile_main), spill-free, and
+    differs from the kernel with the three off."""
     monkeypatch.chdir(tmp_path)
+    order = ("early_lse_d", "ds_before_dv", "v_with_do")
     on = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", 128, causal, varlen=True,
-                                         early_lse_d=True), tmp_path)
+                                         **dict.fromkeys(order, True)), tmp_path)
     check_main_sass(on)
     default = sass_opcodes(main_cubin("BFloat16", 128, causal, False, False, True), tmp_path)
-    assert on != default, "early_lse_d=True compiled the default varlen kernel"
+    assert on == default, "the default varlen d=128 kernel is not the batched order"
+    off = sass_opcodes(backward.bwd_cubin(ARCH, "BFloat16", 128, causal, varlen=True,
+                                          **dict.fromkeys(order, False)), tmp_path)
+    assert off != default
 
 
 @pytest.mark.parametrize("dtype,d,causal,gqa,deterministic", VARIANTS, ids=lambda v: str(v))
