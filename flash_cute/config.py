@@ -514,9 +514,9 @@ class BwdSm90Config:
     # LSE_log2 / D of this thread's query columns read from shared memory into registers
     # before the wgmma waits (LSE after the S^T issue, D before the dV issue), as FA3/FA4 do:
     # the LDS latency then runs under the GEMMs instead of in front of the first exp2 / dS
-    # FADD. tile_m 64 and "talt" only (at 80 "t" / 128 it spilled 150-400 bytes). Both flags
-    # are batched only: the varlen kernel keeps the default (d=128 varlen spilled 8-20 bytes
-    # with either).
+    # FADD. tile_m 64 and "talt" only (at 80 "t" / 128 it spilled 150-400 bytes). Varlen:
+    # the plain d=128 kernel only, with ds_before_dv and v_with_do (backward._compile_main;
+    # the GQA and deterministic ones spilled 8-20 bytes with it).
     early_lse_d: bool = False
     # dO/D ring depth; 0: ``stages`` (Q and dO stages advance in lockstep on one state). The
     # wide kernel at d=256 affords 2 Q stages but 1 dO stage; its dO stage is then released
@@ -615,8 +615,9 @@ class BwdSm90Config:
     # thread and block, FA4's 646. tile_m 80 keeps dV first (ptxas serialized the wgmma,
     # C7512). H200 (bench/exp_bwd.py default dv_first), session 28: d=64 +0.4..+1.4%, d=96
     # +2.9..+9.4%, d=128 causal 1k / 4k +2.4 / +0.4% (session 26's two runs: d=96 +3..+8%,
-    # d=64 / d=128 within +-1.5%). Batched only: the varlen step read 0.5-0.8% slower with it
-    # in two runs (backward._compile_main).
+    # d=64 / d=128 within +-1.5%). Varlen: alone it read 0.5-0.8% slower per step (sessions
+    # 26-27); with early_lse_d and v_with_do the plain d=128 kernel takes it (session 48,
+    # backward._compile_main).
     ds_before_dv: bool = False
     # dq_split "t" / "talt" (tile_m 80): sdQ, and so each dQaccum block (the bulk reduce copies
     # it byte for byte), d-major in 16-query panels, so the accumulator's query pairs are
