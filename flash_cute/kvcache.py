@@ -22,10 +22,10 @@ before the merge.
 
 Paged caches (``block_table``): pools of pages (pages, page_size, hk, d). Pages of 128 x 2^n
 or 1 / 2 / 4 / ... / 64 rows at d <= 128 (d=96: 2 rows up) go to the paged varlen kernels as
-they are, with the table
-(a split's chunks are whole pages and key blocks, each with its slice of the table); other
-pages are gathered into contiguous caches first. Index arrays (prefix sums, chunk bounds) are cached per shape from eager code
-only, so a decode step can be captured in a CUDA graph.
+they are, with the table (a split's chunks are whole pages and key blocks, each with its
+slice of the table); other pages are gathered into contiguous caches first. Index arrays
+(prefix sums, chunk bounds) are cached per shape from eager code only, so a decode step can
+be captured in a CUDA graph.
 """
 from __future__ import annotations
 
