@@ -7,8 +7,9 @@ out_s and lse_s are a varlen forward's out and lse in which chunk s of sequence 
 sequence of its own with the same query rows (flash_cute/kvcache.py). A chunk without keys
 has lse -inf and weight 0 (its partial output, 0 from the forward, adds nothing); a row
 with no key in any chunk gets out 0 and lse -inf, as the forward gives such a row. Sums in
-fp32, one rounding. Learnable sinks (``sink``): each row's sink joins as one more chunk with lse = sink and no
-output (row r of head h: sink[h * group + r % group], group the query heads packed as rows).
+fp32, one rounding. Learnable sinks (``sink``): each row's sink joins as one more chunk with
+lse = sink and no output (row r of head h: sink[h * group + r % group], group the query
+heads packed as rows).
 
 Thread mapping: one thread per 8-element vector of one output row (16 bytes of output), a
 flat 1-D grid with consecutive threads along (head dim, heads), so loads and stores
