@@ -83,12 +83,14 @@ def main():
                                                             causal=True, num_splits=s,
                                                             learnable_sink=sink))
             if args.page:  # the same caches as a pool of shuffled pages
-                per = n // args.page
+                per = -(-n // args.page)  # the last page padded (a page size not dividing n)
                 perm = torch.randperm(b * per, device="cuda")
                 table = perm.view(b, per).int()
-                pools = [torch.empty_like(c).view(b * per, args.page, hk, d) for c in (kc, vc)]
-                for pool, c in zip(pools, (kc, vc)):
-                    pool[perm] = c.view(b * per, args.page, hk, d)
+                pad = (0, 0, 0, 0, 0, per * args.page - n)
+                pools = [torch.nn.functional.pad(c, pad).view(b * per, args.page, hk, d)
+                         for c in (kc, vc)]
+                for pool in pools:
+                    pool[perm] = pool.clone()
                 fns["flash_cute_paged"] = lambda: flash_attn_with_kvcache(
                     q, *pools, cache_seqlens=used, causal=True, block_table=table)
             if fa4 is not None:
