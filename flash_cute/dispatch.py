@@ -105,9 +105,12 @@ def paged_in_place(d: int, page_size: int) -> bool:
     return page_size % PAGED_TILE_N == 0 and blocks & (blocks - 1) == 0
 
 
+@functools.lru_cache(maxsize=None)
 def _atom_row_bytes(d: int) -> int:
-    """Bytes of one row of a 16-bit K / V tile's swizzle atom (kernels/sm90/wgmma.atom_cols)."""
-    return next(w for w in (128, 64, 32) if 2 * d % w == 0)
+    """Bytes of one row of a 16-bit K / V tile's swizzle atom."""
+    import cutlass
+    from .kernels.sm90.wgmma import atom_cols
+    return atom_cols(cutlass.Float16, d) * cutlass.Float16.width // 8
 
 
 def page_args(block_table, page_size: int):
