@@ -118,7 +118,6 @@ slots: 40 bytes) sit below sQ's 1 KB alignment.
     d=192 (tile_n 112): 48K + 84K + 84K = 216 KB      d=256 (tile_n 80): 64K + 80K + 80K = 224 KB
     short causal d=192 / 256 (config.narrow_fwd, tile_n 64): 48K / 64K + 2 x (24K / 32K) x 2
 """
-import enum
 from functools import partial
 from typing import Optional
 
@@ -141,31 +140,18 @@ from . import fwd_split
 from .epilogue import stmatrix_acc, store_smem_rows, tma_store
 from .pipelines import make_tma_pipelines, tma_split
 from .fwd_kv import KvLoads
+from .fwd_types import STORE_WARP, WG_ROWS, WG_THREADS, Barrier
 from .wgmma import gemm, make_smem_layout
 
-WG_THREADS = 128
-WG_ROWS = 64         # query rows per consumer warpgroup (the wgmma's M)
 # setmaxnreg split (load warpgroup, each consumer warpgroup) by consumer count: the load warp
 # only issues TMA, so its registers go to the consumers; 128*load + 128*n*consumer <= 64K.
 # The totals stay within 168 * 384 (the registers each of 384 threads launches with): a
 # consumer increase past what the load warpgroup gave back is never granted (the kernel hangs).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
-STORE_WARP = WG_THREADS // 32  # the first consumer warp: issues the O TMA store, frees sO / sQ
 
 
-class Barrier(enum.IntEnum):
-    SYNC_THREADS = 0  # reserved by __syncthreads
-    EPILOGUE = 1
-    TURN_WG1 = 2      # TURN_WG1 + i: consumer warpgroup i may issue its GEMMs
-    TURN_WG2 = 3
-    V_TAIL = 4        # varlen: the last V block's tail is zeroed before anyone's P V reads it
-    O_FREE = 5        # cfg.own_o: the previous tile's O store has read sO (warp 4 arrives)
-    TURN_WG3 = 6      # three consumer warpgroups: the third's turn (ids 2..5 were taken)
-    PARTIAL = 7       # cfg.split_tail: every consumer's partial is written / the flag seen
-
-
-class FlashFwdSm90:
+class FlashFwdSm90(fwd_split.SplitTail):
     def __init__(self, dtype, cfg: FwdSm90Config, causal: bool, varlen: bool = False,
                  local: bool = False, softcap: bool = False, alibi: bool = False,
                  paged: bool = False, sink: bool = False, page_rows: int = 0):
@@ -508,16 +494,6 @@ class FlashFwdSm90:
                             tile, claimed = scheduler.receive_tile(pipe_tile, claimed, sTile)
                         else:
                             tile = scheduler.next_tile(tile)
-
-    @cute.jit
-    def split_walk(self, num_tiles: Int32, tail_ctas: Int32, mK: cute.Tensor):
-        """cfg.split_tail: (full, nblk, units, start, end): the tiles of the whole rounds,
-        the key blocks per tile, the tail's units and this CTA's range of them."""
-        full = num_tiles - num_tiles % cute.arch.grid_dim()[0] * cutlass.min(tail_ctas, 1)
-        nblk = (mK.shape[0] + self.tile_n - 1) // self.tile_n  # batched: one seqlen_k
-        units = (num_tiles - full) * nblk
-        start, end = scheduler.split_tail_range(tail_ctas, units)
-        return full, nblk, units, start, end
 
     def pipeline_states(self, user_type):
         """(Q, K/V) pipeline states at their first stage. K and V advance together: block i
@@ -1003,36 +979,6 @@ class FlashFwdSm90:
             sinks[r] = self.mSink[head * self.sink_group + seq_row % self.sink_group] * \
                 Float32(LOG2E)
         return sinks
-
-    @cute.jit
-    def store_partial(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
-                      mTileFlags: cute.Tensor, t: Int32, tidx: Int32, has_rows, pipe_q, q):
-        """cfg.split_tail, a tile's later piece: every consumer's partial -> the CTA's slot,
-        then thread 0 signals the tile's flag (fwd_split). Stores no O; persistent without
-        own_o, warp 4 still frees sQ."""
-        if has_rows:
-            fwd_split.write_slot(tOrO, softmax, mPartial, tidx)
-        cute.arch.barrier(barrier_id=int(Barrier.PARTIAL),
-                          number_of_threads=self.num_consumer_threads)
-        if tidx == 0:  # after the barrier, so the release covers every consumer's stores
-            fwd_split.signal_flag(mTileFlags, t)
-        if const_expr(not self.cfg.own_o):
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
-                pipe_q.consumer_release(q)  # every consumer's QK^T is done (the barrier)
-
-    @cute.jit
-    def merge_partials(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
-                       mTileFlags: cute.Tensor, t: Int32, others: Int32, tidx: Int32,
-                       has_rows):
-        """cfg.split_tail, a tile's first piece (its CTA's last): thread 0 waits until the
-        ``others`` later pieces (CTAs blockIdx + 1 ..) have handed theirs over, then every
-        consumer folds them in (fwd_split)."""
-        if tidx == 0:
-            fwd_split.wait_flag(mTileFlags, t, others)
-        cute.arch.barrier(barrier_id=int(Barrier.PARTIAL),
-                          number_of_threads=self.num_consumer_threads)
-        if has_rows:
-            fwd_split.fold_slots(tOrO, softmax, mPartial, others, tidx)
 
     @cute.jit
     def free_o(self):

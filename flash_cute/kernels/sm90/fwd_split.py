@@ -8,16 +8,19 @@ zeroes it for the next launch and folds the slots into its registers.
     slot (per CTA, per consumer thread, thread-fastest):  O (d / 2 values, unnormalized),
                                                          row max, row sum (2 per row)
 
-fwd.py's store_partial / merge_partials place these steps between its named barriers.
+``SplitTail`` (a base of fwd.FlashFwdSm90) places these steps between the kernel's named
+barriers.
 """
 from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
+from ..common import scheduler
 from ..common.layout import acc_as_mn
 from ..common.softmax import OnlineSoftmax
+from .fwd_types import STORE_WARP, Barrier
 
 
 class SplitPiece(NamedTuple):
@@ -98,3 +101,47 @@ def fold_slots(tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
             row_max[r] = m_new
             row_sum[r] = row_sum[r] * a_own + stats[1, r] * a_other
             o_mn[r, None].store(o_mn[r, None].load() * a_own + o_rows[None, r].load() * a_other)
+
+
+class SplitTail:
+    """FlashFwdSm90's split-tail steps (self: the kernel; cfg.split_tail)."""
+
+    @cute.jit
+    def split_walk(self, num_tiles: Int32, tail_ctas: Int32, mK: cute.Tensor):
+        """cfg.split_tail: (full, nblk, units, start, end): the tiles of the whole rounds,
+        the key blocks per tile, the tail's units and this CTA's range of them."""
+        full = num_tiles - num_tiles % cute.arch.grid_dim()[0] * cutlass.min(tail_ctas, 1)
+        nblk = (mK.shape[0] + self.tile_n - 1) // self.tile_n  # batched: one seqlen_k
+        units = (num_tiles - full) * nblk
+        start, end = scheduler.split_tail_range(tail_ctas, units)
+        return full, nblk, units, start, end
+
+    @cute.jit
+    def store_partial(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
+                      mTileFlags: cute.Tensor, t: Int32, tidx: Int32, has_rows, pipe_q, q):
+        """cfg.split_tail, a tile's later piece: every consumer's partial -> the CTA's slot,
+        then thread 0 signals the tile's flag. Stores no O; persistent without
+        own_o, warp 4 still frees sQ."""
+        if has_rows:
+            write_slot(tOrO, softmax, mPartial, tidx)
+        cute.arch.barrier(barrier_id=int(Barrier.PARTIAL),
+                          number_of_threads=self.num_consumer_threads)
+        if tidx == 0:  # after the barrier, so the release covers every consumer's stores
+            signal_flag(mTileFlags, t)
+        if const_expr(not self.cfg.own_o):
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == STORE_WARP:
+                pipe_q.consumer_release(q)  # every consumer's QK^T is done (the barrier)
+
+    @cute.jit
+    def merge_partials(self, tOrO: cute.Tensor, softmax: OnlineSoftmax, mPartial: cute.Tensor,
+                       mTileFlags: cute.Tensor, t: Int32, others: Int32, tidx: Int32,
+                       has_rows):
+        """cfg.split_tail, a tile's first piece (its CTA's last): thread 0 waits until the
+        ``others`` later pieces (CTAs blockIdx + 1 ..) have handed theirs over, then every
+        consumer folds them in."""
+        if tidx == 0:
+            wait_flag(mTileFlags, t, others)
+        cute.arch.barrier(barrier_id=int(Barrier.PARTIAL),
+                          number_of_threads=self.num_consumer_threads)
+        if has_rows:
+            fold_slots(tOrO, softmax, mPartial, others, tidx)
