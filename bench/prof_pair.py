@@ -2,11 +2,12 @@
 for ncu side by side; compilation and warm-up happen before the range:
 
     ncu --profile-from-start off --set full --clock-control none \
-        python bench/prof_pair.py --dir fwd|bwd [--causal] [--d 128] [--s 4096]
+        python bench/prof_pair.py --dir fwd|bwd [--causal] [--d 128] [--s 4096] [--varlen]
 
 bench/prof_src.sh runs it under ncu's source counters for bench/stall_table.py.
 """
 import argparse
+from functools import partial
 
 import torch
 
@@ -43,14 +44,48 @@ def calls_for(direction, d, s, causal):
     return calls
 
 
+def varlen_calls_for(direction, d):
+    """As calls_for, on bench/varlen_workload.py's packed batch (16k tokens of seeded
+    log-normal lengths, causal): ours and FA4's varlen calls."""
+    from varlen_workload import WIDTH, lengths  # bench/ is on sys.path when run as a script
+
+    from flash_cute import flash_attn_varlen_func
+    lens = lengths(16384, 0)
+    h, longest = WIDTH // d, max(lens)
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v, do = (torch.randn(sum(lens), h, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    impls = {"flash_cute": lambda *t: flash_attn_varlen_func(*t, cu, cu, longest, longest,
+                                                             causal=True)}
+    try:
+        from flash_attn.cute import flash_attn_varlen_func as fa4
+        impls["fa4"] = lambda *t: fa4(*t, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                      max_seqlen_k=longest, causal=True)
+    except ImportError as e:
+        print("fa4 unavailable:", e)
+    calls = {}
+    for name, fn in impls.items():
+        if direction == "fwd":
+            calls[name] = partial(fn, q, k, v)
+            continue
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out = out[0] if isinstance(out, tuple) else out
+        calls[name] = partial(torch.autograd.grad, out, leaves, do, retain_graph=True)
+    return calls
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dir", choices=("fwd", "bwd"), default="bwd")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--s", type=int, default=4096)
+    p.add_argument("--varlen", action="store_true",
+                   help="the varlen workload's packed batch (causal) instead of --s / --causal")
     a = p.parse_args()
-    calls = calls_for(a.dir, a.d, a.s, a.causal)
+    calls = (varlen_calls_for(a.dir, a.d) if a.varlen
+             else calls_for(a.dir, a.d, a.s, a.causal))
     for fn in calls.values():
         fn(), fn()
     torch.cuda.synchronize()
