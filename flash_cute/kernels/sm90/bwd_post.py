@@ -145,17 +145,23 @@ class FlashBwdPostSm90:
             seq = SeqlenInfo.from_lengths(batch, offset_q, seqlen_q, 0, 0,
                                           pad_tile_m=self.tile_m)
             vecs_per_row = self.d // VEC
+            # Every vector's load goes out before any store: a store may alias the next
+            # load, so in one loop each vector cost a DRAM round trip after the last one.
+            spots, accs = [], []
             for i in cutlass.range_constexpr(-(-self.tile_m * vecs_per_row // THREADS)):
                 v = i * THREADS + tidx
                 pos = block * self.tile_m + v // vecs_per_row
                 col = v % vecs_per_row
+                acc = cute.make_rmem_tensor((VEC,), Float32)
+                acc.fill(0.0)
+                if v < self.tile_m * vecs_per_row and pos < seq.seqlen_q:  # past seqused: 0
+                    gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
+                                           (VEC,), (self.src_col(col, pos),))
+                    cute.autovec_copy(gAcc, acc)
+                spots.append((v, pos, col))
+                accs.append(acc)
+            for (v, pos, col), acc in zip(spots, accs):
                 if v < self.tile_m * vecs_per_row and pos < rows:
-                    acc = cute.make_rmem_tensor((VEC,), Float32)
-                    acc.fill(0.0)
-                    if pos < seq.seqlen_q:  # past seqused_q: 0
-                        gAcc = cute.local_tile(mAcc[seq.offset_q_pad + pos, head, None],
-                                               (VEC,), (self.src_col(col, pos),))
-                        cute.autovec_copy(gAcc, acc)
                     out = cute.make_rmem_tensor((VEC,), self.dtype)
                     out.store((acc.load() * scale).to(self.dtype))
                     cute.autovec_copy(out, cute.local_tile(mOut[seq.offset_q + pos, head, None],
