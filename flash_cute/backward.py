@@ -266,7 +266,7 @@ def _fake_varlen_rows(cfg):
 
 
 def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                 pdl=False, swizzle_dq=False, tiles=1):
+                 pdl=False, swizzle_dq=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -297,8 +297,7 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
         args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
                 _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
                 _fake_dq_accum(b, h, sq_pad, cfg), *NO_VARLEN_Q)
-    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m, pdl, tiles), args,
-                          keep_cubin)
+    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m, pdl), args, keep_cubin)
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
@@ -545,10 +544,9 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     tm, pdl = cfg.tile_m, cfg.pdl
     extra = tuple(sorted(overrides.items()))
     sw_dq = cfg.swizzle_dq
-    pre_tiles = cfg.pre_tiles if varlen else 1
-    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl, sw_dq, pre_tiles),
+    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl, sw_dq),
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
-                                    swizzle_dq=sw_dq, tiles=pre_tiles))
+                                    swizzle_dq=sw_dq))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
                  extra) + (("local",) if local else ()) + (("softcap",) if softcap else ())
                 + (("alibi",) if alibi else ()),
@@ -584,8 +582,7 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
     tm, pdl = cfg_overrides.get("tile_m"), cfg_overrides.get("pdl", False)
     if kernel == "pre":
         compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen, tile_m=tm,
-                                pdl=pdl, swizzle_dq=cfg_overrides.get("swizzle_dq", False),
-                                tiles=cfg_overrides.get("pre_tiles", 1))
+                                pdl=pdl, swizzle_dq=cfg_overrides.get("swizzle_dq", False))
     elif kernel == "post":
         compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen,
                                  tile_m=tm, pdl=pdl)

@@ -531,9 +531,6 @@ class BwdSm90Config:
     # outputs, hiding the launch gaps and the main kernel's prologue. Off: correct on the
     # H200 but -1..-3% at s <= 1k (bench/exp_bwd.py --short default pdl).
     pdl: bool = False
-    # Varlen bwd_pre: tile_m-row tiles per CTA (all their loads issued before any store). The
-    # main kernel ignores it; pre's padding unit stays tile_m.
-    pre_tiles: int = 1
     # dK / dV leave through shared memory (docs/bwd_vs_fa4.md P3): converted to the input
     # dtype and staged in sK / sV (free once the tile's last wgmma has read them), then one
     # TMA store each (varlen: see varlen_tma_store). Off: predicated 4-byte stores from the

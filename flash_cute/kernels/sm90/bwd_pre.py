@@ -60,10 +60,9 @@ LOG2E = math.log2(math.e)
 
 class FlashBwdPreSm90:
     def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
-                 pdl: bool = False, tiles: int = 1):
+                 pdl: bool = False):
         """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
-        the main kernel is launched as its programmatic dependent. ``tiles`` (varlen): a CTA
-        covers that many consecutive tile_m-row tiles of one (sequence, head)."""
+        the main kernel is launched as its programmatic dependent."""
         if head_dim * dtype.width // 8 % (VEC_BYTES * THREADS_PER_ROW) != 0:
             raise ValueError(f"head_dim {head_dim}: rows must split into {THREADS_PER_ROW} "
                              f"lanes of {VEC_BYTES}-byte vectors")
@@ -73,7 +72,6 @@ class FlashBwdPreSm90:
         self.tile_m = tile_m
         self.pdl = pdl
         self.passes = 1 if varlen else BATCHED_PASSES.get(head_dim, 1)
-        self.cta_rows = tile_m * tiles  # varlen: the scan's tile (the padding unit: tile_m)
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -86,7 +84,7 @@ class FlashBwdPreSm90:
         cu_seqlens_q (b + 1,), seqused_q (b,) int32."""
         if const_expr(self.varlen):
             grid = [scheduler.varlen_num_tiles(mO.shape[0], mCuSeqlensQ.shape[0] - 1,
-                                               self.cta_rows, mO.shape[1]), 1, 1]
+                                               self.tile_m, mO.shape[1]), 1, 1]
         else:
             grid = [cute.ceil_div(mLSElog2.shape[2], ROWS_PER_CTA * self.passes), mO.shape[2],
                     mO.shape[0]]
@@ -104,7 +102,7 @@ class FlashBwdPreSm90:
             # that exist (common/scheduler.py); the grid's bound leaves a few past the last.
             heads = mO.shape[1]
             block, head, batch = scheduler.varlen_tile_coords(
-                cute.arch.block_idx()[0], mCuSeqlensQ, mSeqUsedQ, self.cta_rows, heads, heads,
+                cute.arch.block_idx()[0], mCuSeqlensQ, mSeqUsedQ, self.tile_m, heads, heads,
                 False)
             if batch < mCuSeqlensQ.shape[0] - 1:
                 # The sequence's rows as (row, h, ...) views: packed from its start, padded
@@ -118,11 +116,11 @@ class FlashBwdPreSm90:
                 packed.append(cute.domain_offset((0, seq.offset_q), mLSE))
                 padded = [cute.domain_offset((0, seq.offset_q_pad), t) for t in (mLSElog2, mD)]
                 padded.append(cute.domain_offset((0, seq.offset_q_pad, 0), mdQaccum))
-                end = cutlass.min((block + 1) * self.cta_rows,
+                end = cutlass.min((block + 1) * self.tile_m,
                                   cute.round_up(seq.seqlen_q, self.tile_m))
                 self.rows(*packed, *padded, (), head,
-                          [block * self.cta_rows + p * ROWS_PER_CTA + lane_row
-                           for p in range(-(-self.cta_rows // ROWS_PER_CTA))],
+                          [block * self.tile_m + p * ROWS_PER_CTA + lane_row
+                           for p in range(-(-self.tile_m // ROWS_PER_CTA))],
                           seq.seqlen_q, end, tidx % THREADS_PER_ROW)
         else:
             row_block, head, batch = cute.arch.block_idx()
