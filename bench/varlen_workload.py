@@ -32,7 +32,6 @@ kernels; e.g. ``--fwd-configs "" half_edge=0``).
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
@@ -190,17 +189,15 @@ def compare_fwd_walks(var, values, fwd, step, flops, rounds):
 
 
 def host_profile(name, run, top, steps=30):
-    """Where a training step's host time goes: ``steps`` steps queued back to back (the GPU
-    runs behind), their host time per step, then host_cost.profile's cProfile of them."""
-    from host_cost import profile  # here: host_cost imports this module
-    run()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        run()
-    host_us = (time.perf_counter() - t) / steps * 1e6
-    torch.cuda.synchronize()
-    print(f"--- {name}: host {host_us:.0f} us per step; cProfile of {steps} steps:")
+    """Where a training step's host time goes: its host time with the GPU kept busy
+    (host_cost.host_us: no step waits on the device), then host_cost.profile's cProfile.
+    Timing ``steps`` steps from an idle GPU instead read 963 us for ours right after the
+    interleaved rounds (session 50, H100), against 584-685 us this way and a step that
+    the timed rounds put at the GPU's 0.89 ms: not the cost a queued step pays."""
+    from host_cost import host_us, profile  # here: host_cost imports this module
+    us, busy = host_us(run, n=steps)
+    print(f"--- {name}: host {us:.0f} us per step (GPU busy throughout: {busy}); "
+          f"cProfile of {steps} steps:")
     profile(run, n=steps, top=top)
 
 
