@@ -31,16 +31,21 @@ def opcodes(sass: str) -> dict:
     return counts
 
 
-def sass_opcodes(cubin: bytes, tmp_path) -> dict:
-    """Opcode counts of a cubin; skips the test (after checking the cubin) without nvdisasm."""
+def sass_text(cubin: bytes, tmp_path) -> str:
+    """A cubin's disassembly; skips the test (after checking the cubin) without nvdisasm."""
     assert cubin and cubin[:4] == b"\x7fELF", "no cubin came out"
     nvdisasm = nvdisasm_path()
     if nvdisasm is None:
         pytest.skip("nvdisasm not installed: cubin built, SASS not checked")
     path = tmp_path / "k.cubin"
     path.write_bytes(cubin)
-    return opcodes(subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True,
-                                  check=True).stdout)
+    return subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def sass_opcodes(cubin: bytes, tmp_path) -> dict:
+    """Opcode counts of a cubin (see sass_text)."""
+    return opcodes(sass_text(cubin, tmp_path))
 
 
 def assert_wgmma_not_serialized(ops: dict):
