@@ -365,7 +365,8 @@ def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, determinis
             *(_fake_split_args(d) if cfg.split_tail else NO_SPLIT),
             # local: the window's finite (left, right), runtime values; softcap: its factor
             *((cutlass.Int32(0), cutlass.Int32(0)) if local else NO_WINDOW),
-            cutlass.Float32(1.0) if softcap else NO_SOFTCAP, fake_slopes() if alibi else None)
+            cutlass.Float32(1.0) if softcap else NO_SOFTCAP, fake_slopes() if alibi else None,
+            _fake_qkv(dt, d, b, sq, h) if cfg.fuse_dq_post else None)  # dQ, written in place
     return compile_kernel(kernel_cls(dt, cfg, causal, dkv_dt, deterministic, varlen, local,
                                      softcap, alibi), args, keep_cubin)
 
@@ -712,7 +713,10 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         global last_timeline
         last_timeline = sem.view(-1, len(BWD_TIMELINE))  # tile (= blockIdx.x) x slot
     else:
-        sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic, q.device)
+        sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic or cfg.fuse_dq_post,
+                          q.device)
+    if cfg.fuse_dq_post and causal and sq > sk:
+        dq.zero_()  # the rows no key sees get no conversion (bwd_convert.py)
     dk_out, dv_out = _dkv_sums((b, sk, h, d), q.device, torch.empty) if gqa else (dk, dv)
     scale_log2, softcap_scale = softmax_scales(softmax_scale, softcap)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem, scale_log2,
@@ -720,8 +724,9 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          *_sched_args(persistent, q.device, sq, sk, cfg.tile_n, d, b * h, causal),
          *(_split_args(q.device, cfg, b * h, sq, sk, causal or deterministic)
            if cfg.split_tail else NO_SPLIT), *(window or NO_WINDOW), softcap_scale,
-         alibi_slopes2d(alibi_slopes, b, h))
-    post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
+         alibi_slopes2d(alibi_slopes, b, h), dq if cfg.fuse_dq_post else None)
+    if not cfg.fuse_dq_post:
+        post_dq(dq_accum.permute(0, 2, 1, 3)[:, :sq], dq, softmax_scale, *NO_VARLEN_Q)
     if gqa:
         post(dk_out, dk, 1.0, *NO_VARLEN_Q)
         post(dv_out, dv, 1.0, *NO_VARLEN_Q)
@@ -825,7 +830,12 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         global last_timeline
         last_timeline = sem  # CTAs past the last tile stamp nothing: their rows stay 0
     else:
-        sem = _semaphores((h, rows // cfg.tile_m), deterministic, q.device)
+        sem = _semaphores((h, rows // cfg.tile_m), deterministic or cfg.fuse_dq_post, q.device)
+    if cfg.fuse_dq_post and not (cu_seqlens_k is cu_seqlens_q and seqused_k is None
+                                 and seqused_q is None):
+        # Rows past seqused_q and rows no key sees get no conversion (bwd_convert.py); one
+        # cu_seqlens for both sides (self-attention) has every row seeing its own key.
+        dq.zero_()
     if gqa:
         dk_out, dv_out = _dkv_sums((total_k, h, d), q.device,
                                    torch.empty if seqused_k is None else torch.zeros)
@@ -836,8 +846,10 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
          softmax_scale, cu_seqlens_q, cu_seqlens_k, used_q, used_k,
          *_sched_args(persistent, q.device, min(max_seqlen_q, total_q), max_seqlen_k,
                       cfg.tile_n, d, batch * h, causal)[:2], None, *NO_SPLIT,
-         *(window or NO_WINDOW), softcap_scale, alibi_slopes2d(alibi_slopes, batch, h))
-    post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
+         *(window or NO_WINDOW), softcap_scale, alibi_slopes2d(alibi_slopes, batch, h),
+         dq if cfg.fuse_dq_post else None)
+    if not cfg.fuse_dq_post:
+        post_dq(dq_accum.permute(1, 0, 2), dq, softmax_scale, cu_seqlens_q, used_q)
     if gqa:  # row for row: the batched form with a batch of 1
         post(dk_out[None], dk[None], 1.0, *NO_VARLEN_Q)
         post(dv_out[None], dv[None], 1.0, *NO_VARLEN_Q)

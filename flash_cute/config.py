@@ -655,6 +655,11 @@ class BwdSm90Config:
     # before it exits. GPU-checked bitwise (session 32). Off with early_dk (session 34:
     # early_dkv_tma within -1% .. +2% of the default, the noise of those cells).
     early_tma: bool = False
+    # The main kernel writes dQ itself: the last key block to land its reduce-add into a query
+    # block (a counter per block) hands it to two idle load-warpgroup warps, which convert
+    # it from dQaccum (kernels/sm90/bwd_convert.py), so bwd_post runs for GQA's dK / dV only.
+    # One tile per CTA, non-deterministic, no split tail or window, dQaccum rows untransposed.
+    fuse_dq_post: bool = False
     # One tile per CTA, batched, non-causal, not deterministic (backward.split_tail_overrides
     # ships it there for long enough calls, sessions 38-39): the R tiles of the grid's last,
     # partial wave are each cut along their query blocks into ``pieces`` CTAs (runtime
@@ -822,6 +827,12 @@ class BwdSm90Config:
             raise ValueError("timeline: the narrow one-tile-per-CTA kernel only")
         if self.skip_masked_wg and self.wide:
             raise ValueError("skip_masked_wg: the narrow kernel (d 64/96/128) only")
+        if self.fuse_dq_post and (self.wide or self.persistent or self.split_tail
+                                  or self.dq_transposed):
+            raise ValueError(f"fuse_dq_post: the narrow one-tile-per-CTA kernel without "
+                             f"split_tail and with untransposed dQ rows; got wide {self.wide}, "
+                             f"persistent {self.persistent}, split_tail {self.split_tail}, "
+                             f"dq_split {self.dq_split!r}")
         if self.split_tail and not self.split_tail_fits:
             raise ValueError("split_tail: the narrow one-tile-per-CTA kernel's epilogue, no "
                              "timeline, early_dv or early_dk")

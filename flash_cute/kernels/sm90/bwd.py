@@ -113,6 +113,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx,
 from ..common.mask import add_alibi_key_major, apply_mask_key_major
 from ..common.softmax import LOG2E, softcap_scores
 from . import bwd_cols, bwd_split, pdl
+from .bwd_convert import CONVERT_SLOTS, CONVERT_WARPS, DqConvert, make_convert_pipeline
 from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_load import TmaLoads
 from .bwd_tiles import KeyTileWalk
@@ -124,6 +125,7 @@ from .wgmma import gemm, make_smem_layout
 
 KEYS_PER_WG = 64     # one wgmma M per warpgroup
 LOAD_REGS = 24       # the load warp only issues TMA; give its registers to the mma warpgroups
+CONVERT_REGS = 32    # cfg.fuse_dq_post: the convert warps' loads in flight (32*128 + 240*256 = 64K)
 MMA_REGS = 240       # 24*128 + 240*256 <= 64K registers per SM
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 DQ_WARP = 1          # warp of WG0 that issues the dQ bulk reductions
@@ -131,7 +133,7 @@ STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV T
 AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself (to_16bit)
 
 
-class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
+class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
     uniform_dq_desc = False  # see __init__
 
@@ -165,6 +167,10 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
         if self.d % cfg.dq_chunk != 0:
             raise ValueError(f"dq_chunk {cfg.dq_chunk} must divide head_dim {self.d}")
         cfg.check_causal(causal)
+        if cfg.fuse_dq_post and (deterministic or local):
+            raise ValueError("fuse_dq_post: not with deterministic=True or a window (their "
+                             "per-block reduce counts differ)")
+        self.fuse_dq_post = cfg.fuse_dq_post
         self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
         # tile_m 128: S^T and dP^T take 64 fp32 registers each per thread; with dK + dV (64),
         # fp32 S^T kept for dS^T and its 16-bit copy for dV (32) ptxas serialized the wgmma
@@ -241,7 +247,8 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
                  pieces: Optional[Int32], mPartial: Optional[cute.Tensor],
                  mTickets: Optional[cute.Tensor], window_left: Optional[Int32],
                  window_right: Optional[Int32], softcap_scale: Optional[Float32],
-                 mSlopes: Optional[cute.Tensor], stream: cuda.CUstream):
+                 mSlopes: Optional[cute.Tensor], mdQ: Optional[cute.Tensor],
+                 stream: cuda.CUstream):
         """Batched: mQ, mdO (b, sq, h, d); mK, mV (b, sk, hk, d); mLSE (= LSE_log2), mD
         (b, h, sq_pad) fp32; mdQaccum (b, h, sq_pad, d) fp32; mdK, mdV (b, sk, h or hk, d) in
         dkv_dtype, indexed by the query head (equal to the KV head when h == hk); mSem
@@ -255,16 +262,21 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
         None): tail_start, pieces, mPartial (pieces in all, values, mma threads) fp32 and
         mTickets (tail tiles,) int32 (bwd_split.py). window_left / window_right: local only;
         softcap_scale: softcap only (scale_log2 is then softcap * log2(e)), else None.
-        mSlopes: alibi only, fp32 (batch, heads), else None."""
+        mSlopes: alibi only, fp32 (batch, heads), else None. mdQ: cfg.fuse_dq_post only, dQ
+        like mQ (mSem then counts each query block's landed reduces: zeroed), else None."""
         # Sequence and head dim first, so TMA boxes are (rows, d) with d contiguous.
         if const_expr(self.varlen):
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [0, 2, 1])
                                          for t in (mQ, mdO, mK, mV, mdK, mdV)]
+            if const_expr(mdQ is not None):
+                mdQ = select_modes(mdQ, [0, 2, 1])
             mLSE, mD, mSem = [select_modes(t, [1, 0]) for t in (mLSE, mD, mSem)]
             mdQaccum = select_modes(mdQaccum, [1, 2, 0])
         else:
             mQ, mdO, mK, mV, mdK, mdV = [select_modes(t, [1, 3, 2, 0])
                                          for t in (mQ, mdO, mK, mV, mdK, mdV)]
+            if const_expr(mdQ is not None):
+                mdQ = select_modes(mdQ, [1, 3, 2, 0])
             mLSE, mD = [select_modes(t, [2, 1, 0]) for t in (mLSE, mD)]
             mdQaccum = select_modes(mdQaccum, [2, 3, 1, 0])
             mSem = select_modes(mSem, [2, 1, 0])
@@ -340,6 +352,9 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
             if const_expr(self.cfg.split_tail):
                 split_last: cute.struct.MemRange[Int32, 1]  # bwd_split.hand_over's verdict
+            if const_expr(self.fuse_dq_post):  # the convert ring (bwd_convert.py)
+                mbar_cvt: cute.struct.MemRange[cutlass.Int64, 2 * CONVERT_SLOTS]
+                cvt_slots: cute.struct.MemRange[Int32, CONVERT_SLOTS]
 
         self.shared_storage = SharedStorage
         sections = (heads_per_section, tail_section)
@@ -356,7 +371,7 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
                     sdQ_layout, mma_sdp, mma_dkv, mma_dq, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ,
                     mSeqUsedK, *sections, tma_dk, tma_dv, tma_mdK, tma_mdV, tail_start, pieces,
                     mPartial, mTickets, window_left, window_right, softcap_scale,
-                    mSlopes).launch(
+                    mSlopes, mdQ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
@@ -432,7 +447,8 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
                tail_start: Optional[Int32], pieces: Optional[Int32],
                mPartial: Optional[cute.Tensor], mTickets: Optional[cute.Tensor],
                window_left: Optional[Int32], window_right: Optional[Int32],
-               softcap_scale: Optional[Float32], mSlopes: Optional[cute.Tensor]):
+               softcap_scale: Optional[Float32], mSlopes: Optional[cute.Tensor],
+               mdQ: Optional[cute.Tensor]):
         # local: the window's finite (left, right), read by the tile ranges and masks
         self.window = (window_left, window_right) if const_expr(self.local) else None
         self.softcap_scale = softcap_scale  # softcap: the tanh's factor and 1 / scale_log2
@@ -451,6 +467,10 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                         section, tail_section, split)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        ring = slots = None
+        if const_expr(self.fuse_dq_post):  # initialised under make_tma_pipelines' fence + sync
+            ring = make_convert_pipeline(storage.mbar_cvt.data_ptr())
+            slots = storage.cvt_slots.get_tensor(cute.make_layout(CONVERT_SLOTS))
         # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
         # K/V, once the stores have read them.
         kv_releasers = (1,) if const_expr(self.persistent and self.staged_dkv and
@@ -488,7 +508,8 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
             self.stamp(mSem, cute.arch.thread_idx()[0] - WG_THREADS,  # the first mma thread
                        {"start": None, "start_ns": cute.arch.globaltimer_lo})
             if warp_idx // 4 == 0:
-                cute.arch.setmaxregister_decrease(LOAD_REGS)
+                cute.arch.setmaxregister_decrease(
+                    CONVERT_REGS if const_expr(self.fuse_dq_post) else LOAD_REGS)
                 if warp_idx == 0:
                     ops = LoadOperands(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
                                        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d)
@@ -497,7 +518,11 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk):
                     pdl.launch_dependents(self.cfg.pdl)
                 if warp_idx == DQ_WARP:
                     pdl.wait_prior(self.cfg.pdl)  # dQaccum is zeroed by bwd_pre
-                    self.dq_reduce(mdQaccum, mSem, sdQ, tiles)
+                    self.dq_reduce(mdQaccum, mSem, sdQ, tiles,
+                                   *((ring, slots) if const_expr(self.fuse_dq_post) else ()))
+                if const_expr(self.fuse_dq_post):
+                    if warp_idx == CONVERT_WARPS[0] or warp_idx == CONVERT_WARPS[1]:
+                        self.convert_blocks(mdQaccum, mdQ, dk_scale, ring, slots, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv, tma_mdK,

@@ -157,11 +157,13 @@ class DqTile:
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
-                  tiles):
+                  tiles, ring=None, slots=None):
         """dQ warp: per tile and query block, add the sdQ tile into the block's dQaccum rows
-        with a TMA bulk reduction; sdQ is handed back once the reduction has read it."""
+        with a TMA bulk reduction; sdQ is handed back once the reduction has read it.
+        cfg.fuse_dq_post: ``ring`` / ``slots`` take the blocks to convert (bwd_convert.py)."""
         lane = cute.arch.lane_idx()
-        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
+        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane, ring, slots),
+                       Int32(0) if const_expr(self.cfg.fuse_dq_post) else None)
         if lane == 0:  # sdQ read: the CTA may exit (its adds land before the grid completes)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.stamp(mSem, lane, {"dq_done": None})
@@ -178,7 +180,7 @@ class DqTile:
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
-                tile: KeyTile, carry):
+                ring, slots, tile: KeyTile, carry):
         """The sdQ hand-off, per query block: DQ_EMPTY (dQ warp arrives, mma warpgroups wait)
         then DQ_FULL (mma warpgroups arrive, dQ warp waits), one of each per block. One CTA
         per tile: the first arrive precedes the loop and the last block's is skipped, so no
@@ -241,7 +243,21 @@ class DqTile:
                     cute.arch.barrier_arrive(
                         barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_block + 1),
                         number_of_threads=threads)
+            if const_expr(self.cfg.fuse_dq_post):  # carry: the blocks handed to convert
+                carry = self.count_landed(self.dq_counter(mSem, tile, m_block), m_block, seq,
+                                          ring, slots, carry)
+        if const_expr(self.cfg.fuse_dq_post):
+            self.hand_off(ring, slots, carry, Int32(-1))  # the convert warps' sentinel
+            carry += 1
         return carry
+
+    def dq_counter(self, mSem: cute.Tensor, tile: KeyTile, m_block: Int32) -> cute.Pointer:
+        """Query block ``m_block``'s word of mSem (deterministic: its semaphore;
+        cfg.fuse_dq_post: its landed-reduce counter)."""
+        if const_expr(self.varlen):
+            return mSem.iterator + cute.crd2idx(
+                (tile.seq.offset_q_pad // self.tile_m + m_block, tile.head), mSem.layout)
+        return mSem.iterator + cute.crd2idx((m_block, tile.head, tile.batch), mSem.layout)
 
     def hand_off_barrier(self, even: Barrier, odd: Barrier, m_block: Int32):
         """The dQ hand-off barrier of query block ``m_block`` (cfg.stagger: by parity)."""

@@ -1,0 +1,64 @@
+"""CPU tests of BwdSm90Config.fuse_dq_post (kernels/sm90/bwd_convert.py): the main backward
+kernel that writes dQ itself compiles for sm_90a with its wgmma unserialized, counts each query
+block's landed reduces with one acq_rel atomic, and its convert warps load before they store;
+configs it does not take are refused. On a GPU: bench/exp_bwd.py "fuse" / "tm64_fuse"."""
+import dataclasses
+import re
+
+import pytest
+
+from flash_cute import backward
+from flash_cute.config import BwdSm90Config
+from flash_cute.kernels.sm90.bwd_convert import CONVERT_BATCH
+
+from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_text, opcodes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _arch():
+    require_arch()
+
+
+# (d, causal, varlen, gqa, overrides): the host's tiles where the 80-row one is not taken
+# (d=64's 128-row tile with its swizzled short-call rows, d=96, d=128's 64-row tile).
+FUSED = [(64, True, False, False, {"tile_m": 128, "dq_split": "m"}),
+         (64, False, False, False, {"tile_m": 128, "dq_split": "m", "swizzle_dq": True}),
+         (96, True, False, False, {}),
+         (128, True, False, False, {}),
+         (128, False, False, True, {"swizzle_dq": True}),
+         (128, True, True, False, {"early_lse_d": True, "ds_before_dv": True,
+                                   "v_with_do": True}),
+         (128, False, True, False, {})]
+
+
+@pytest.mark.parametrize("d,causal,varlen,gqa,ov", FUSED, ids=str)
+def test_fused_dq_compiles(d, causal, varlen, gqa, ov, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cubin = backward.bwd_cubin(ARCH, "BFloat16", d, causal, gqa, varlen=varlen,
+                               fuse_dq_post=True, **ov)
+    sass = sass_text(cubin, tmp_path)
+    assert_wgmma_not_serialized(opcodes(sass))
+    # One counter add per landed block, acquire + release (a GPU-scope fence before it).
+    assert len(re.findall(r"ATOMG\.E\.ADD\.STRONG\.GPU", sass)) == 1
+    assert "MEMBAR.ALL.GPU" in sass
+    # The convert loop: CONVERT_BATCH vectors of two 16-byte loads, all before its stores.
+    mem = re.findall(r"\b(LDG\.E\.128|STG\.E\.128)\b", sass)
+    # (varlen's dK / dV row stores are 16-byte stores too, elsewhere in the kernel)
+    assert mem.count("LDG.E.128") == 2 * CONVERT_BATCH, mem
+    assert mem[:3 * CONVERT_BATCH] == (["LDG.E.128"] * (2 * CONVERT_BATCH)
+                                       + ["STG.E.128"] * CONVERT_BATCH), mem
+
+
+@pytest.mark.parametrize("ov", [{"tile_m": 80, "dq_split": "talt"}, {"persistent": True},
+                                {"split_tail": True}], ids=str)
+def test_fused_dq_refuses_config(ov):
+    with pytest.raises(ValueError, match="fuse_dq_post"):
+        dataclasses.replace(BwdSm90Config.for_head_dim(128), stagger=False, fuse_dq_post=True,
+                            **ov)
+
+
+@pytest.mark.parametrize("kw", [{"deterministic": True}, {"local": True}], ids=str)
+def test_fused_dq_refuses_kernel(kw, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="fuse_dq_post"):
+        backward.bwd_cubin(ARCH, "BFloat16", 128, True, fuse_dq_post=True, **kw)
