@@ -112,8 +112,8 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx,
                              select_modes, store_packed, transpose_mn)
 from ..common.mask import add_alibi_key_major, apply_mask_key_major
 from ..common.softmax import LOG2E, softcap_scores
-from . import bwd_cols, bwd_split, pdl
-from .bwd_convert import CONVERT_SLOTS, CONVERT_WARPS, DqConvert, make_convert_pipeline
+from . import bwd_cols, bwd_convert as cvt, bwd_split, pdl
+from .bwd_convert import DqConvert
 from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_load import TmaLoads
 from .bwd_tiles import KeyTileWalk
@@ -125,7 +125,6 @@ from .wgmma import gemm, make_smem_layout
 
 KEYS_PER_WG = 64     # one wgmma M per warpgroup
 LOAD_REGS = 24       # the load warp only issues TMA; give its registers to the mma warpgroups
-CONVERT_REGS = 32    # cfg.fuse_dq_post: the convert warps' loads in flight (32*128 + 240*256 = 64K)
 MMA_REGS = 240       # 24*128 + 240*256 <= 64K registers per SM
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 DQ_WARP = 1          # warp of WG0 that issues the dQ bulk reductions
@@ -353,8 +352,11 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
             if const_expr(self.cfg.split_tail):
                 split_last: cute.struct.MemRange[Int32, 1]  # bwd_split.hand_over's verdict
             if const_expr(self.fuse_dq_post):  # the convert ring (bwd_convert.py)
-                mbar_cvt: cute.struct.MemRange[cutlass.Int64, 2 * CONVERT_SLOTS]
-                cvt_slots: cute.struct.MemRange[Int32, CONVERT_SLOTS]
+                mbar_cvt: cute.struct.MemRange[cutlass.Int64, 2 * cvt.CONVERT_SLOTS]
+                cvt_slots: cute.struct.MemRange[Int32, cvt.CONVERT_SLOTS]
+                mbar_stage: cute.struct.MemRange[cutlass.Int64, cvt.CONVERT_STAGES]
+                sStage: cute.struct.Align[cute.struct.MemRange[
+                    Float32, cvt.CONVERT_STAGES * cvt.CONVERT_ROWS * self.cfg.dq_row], 128]
 
         self.shared_storage = SharedStorage
         sections = (heads_per_section, tail_section)
@@ -467,10 +469,9 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
             tiles, run = self.cta_tiles(mQ, mK, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
                                         section, tail_section, split)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        ring = slots = None
+        convert = None
         if const_expr(self.fuse_dq_post):  # initialised under make_tma_pipelines' fence + sync
-            ring = make_convert_pipeline(storage.mbar_cvt.data_ptr())
-            slots = storage.cvt_slots.get_tensor(cute.make_layout(CONVERT_SLOTS))
+            convert = cvt.make_convert_resources(storage, self.cfg.dq_row)
         # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
         # K/V, once the stores have read them.
         kv_releasers = (1,) if const_expr(self.persistent and self.staged_dkv and
@@ -509,7 +510,7 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
                        {"start": None, "start_ns": cute.arch.globaltimer_lo})
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(
-                    CONVERT_REGS if const_expr(self.fuse_dq_post) else LOAD_REGS)
+                    cvt.CONVERT_REGS if const_expr(self.fuse_dq_post) else LOAD_REGS)
                 if warp_idx == 0:
                     ops = LoadOperands(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
                                        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d)
@@ -519,10 +520,10 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
                 if warp_idx == DQ_WARP:
                     pdl.wait_prior(self.cfg.pdl)  # dQaccum is zeroed by bwd_pre
                     self.dq_reduce(mdQaccum, mSem, sdQ, tiles,
-                                   *((ring, slots) if const_expr(self.fuse_dq_post) else ()))
+                                   *((convert,) if const_expr(self.fuse_dq_post) else ()))
                 if const_expr(self.fuse_dq_post):
-                    if warp_idx == CONVERT_WARPS[0] or warp_idx == CONVERT_WARPS[1]:
-                        self.convert_blocks(mdQaccum, mdQ, dk_scale, ring, slots, tiles)
+                    if warp_idx == cvt.CONVERT_WARPS[0] or warp_idx == cvt.CONVERT_WARPS[1]:
+                        self.convert_blocks(mdQaccum, mdQ, dk_scale, convert, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv, tma_mdK,

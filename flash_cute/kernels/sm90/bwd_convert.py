@@ -12,13 +12,21 @@ block (the deterministic semaphores' buffer, zeroed by the host) counts them as 
         (acquire): m goes into the convert ring (one slot per pending block);
         after the tile's last block: the sentinel -1.
     Convert warps (warps 2 and 3 of the load warpgroup, otherwise idle):
-        take m from the ring, read dQaccum's block m (L2: the reduces just wrote it), scale
-        by softmax_scale, round to the input dtype, store dQ's rows below seqlen_q.
+        take m from the ring; block m of dQaccum (L2: the reduces just wrote it) comes in
+        chunks of CONVERT_ROWS rows by TMA bulk copies into CONVERT_STAGES shared stages
+        (the chunk's bytes in flight without registers: a warp's loads alone would keep
+        ~4 KB in flight, ~3 us a block, slower than the mma warpgroups make blocks when one
+        CTA converts all of its own); per chunk every thread scales its vectors, rounds them
+        to the input dtype and stores dQ's rows below seqlen_q.
 
 Ring: PipelineAsync of CONVERT_SLOTS Int32 slots; full = 1 arrive (dQ warp lane 0), empty = one
 arrive per convert thread (each after reading its slot). The ring and the reads of dQaccum
 never hold the mma warpgroups: the dQ warp waits for a free slot only when CONVERT_SLOTS
 conversions are still pending.
+Stages: one mbarrier each (1 arrive + the copy's bytes, by convert thread 0); a CONVERT named
+barrier (the 64 convert threads) after each chunk frees its stage for the chunk
+CONVERT_STAGES later. Shared memory: CONVERT_STAGES * CONVERT_ROWS * dq_row * 4 bytes (d=128:
+26 KB; the kernel's 195 KB fits beside it).
 
 Rows no key block sees (N(m) = 0: causal with seqlen_q > seqlen_k, a sequence without keys)
 are fully masked: bwd_pre zeroes their dQ rows (LSE -inf) when it is given dQ.
@@ -27,24 +35,56 @@ Scope (BwdSm90Config.check_fuse_dq_post): one tile per CTA, non-deterministic, n
 dQaccum rows in order or with the swizzle_dq groups (not the transposed 80-row tile), no
 sliding window (its blocks' counts differ), the narrow kernel.
 """
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir.dialects import llvm
+
+from .bwd_types import Barrier
 
 CONVERT_WARPS = (2, 3)   # load warpgroup warps with no other role (0: TMA loads, 1: dQ reduces)
 CONVERT_THREADS = 32 * len(CONVERT_WARPS)
 CONVERT_SLOTS = 4        # query blocks awaiting conversion before the dQ warp would wait
-CONVERT_VEC = 8          # fp32 per load pair: one 16-byte store of the 2-byte output
-CONVERT_BATCH = 2        # vectors in flight per thread (registers: the load warpgroup's 32)
+CONVERT_VEC = 8          # fp32 per thread and step: one 16-byte store of the 2-byte output
+CONVERT_ROWS = 16        # dQaccum rows per bulk copy (d=128: 8.5 KB)
+CONVERT_STAGES = 3       # chunks in flight (~26 KB at d=128)
+# The load warpgroup's registers with these roles (bwd.py's 24 otherwise): 32 * 128 + 240 *
+# 256 = 64K, the mma warpgroups keep theirs.
+CONVERT_REGS = 32
 
 
-def make_convert_pipeline(barrier_storage: cute.Pointer):
-    """The convert ring (module docstring); initialised with the TMA pipelines' fence + sync."""
-    return pipeline.PipelineAsync.create(
-        barrier_storage=barrier_storage, num_stages=CONVERT_SLOTS,
+@dataclass(frozen=True)
+class ConvertResources:
+    ring: pipeline.PipelineAsync  # dQ warp -> convert warps: query blocks to convert
+    slots: cute.Tensor            # (CONVERT_SLOTS,) Int32: the ring's values
+    sStage: cute.Tensor           # (CONVERT_STAGES, CONVERT_ROWS, dq_row) fp32 staging
+    mbar: cute.Pointer            # CONVERT_STAGES mbarriers, one per stage
+
+
+def make_convert_resources(storage, dq_row: int) -> ConvertResources:
+    """The ring and the stages from the kernel's shared storage (fields mbar_cvt, cvt_slots,
+    mbar_stage, sStage). Their barriers are initialised here, without a CTA barrier: the
+    kernel's pipeline set-up (make_tma_pipelines) fences and syncs once for all."""
+    ring = pipeline.PipelineAsync.create(
+        barrier_storage=storage.mbar_cvt.data_ptr(), num_stages=CONVERT_SLOTS,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_THREADS),
         defer_sync=True)
+    mbar = storage.mbar_stage.data_ptr()
+    init_stage_barriers(mbar)
+    sStage = storage.sStage.get_tensor(cute.make_layout(
+        (CONVERT_STAGES, CONVERT_ROWS, dq_row), stride=(CONVERT_ROWS * dq_row, dq_row, 1)))
+    return ConvertResources(ring, storage.cvt_slots.get_tensor(cute.make_layout(CONVERT_SLOTS)),
+                            sStage, mbar)
+
+
+@cute.jit
+def init_stage_barriers(mbar: cute.Pointer):
+    if cute.arch.thread_idx()[0] == 0:
+        for stage in cutlass.range_constexpr(CONVERT_STAGES):
+            cute.arch.mbarrier_init(mbar + stage, 1)  # convert thread 0's arrive + the bytes
 
 
 def ring_state(k: Int32, producer: bool) -> pipeline.PipelineState:
@@ -67,7 +107,7 @@ class DqConvert:
         return n
 
     @cute.jit
-    def count_landed(self, sem: cute.Pointer, m_block: Int32, seq, ring, slots: cute.Tensor,
+    def count_landed(self, sem: cute.Pointer, m_block: Int32, seq, convert: ConvertResources,
                      k: Int32) -> Int32:
         """dQ warp, after block ``m_block``'s reduce was issued and sdQ handed back: count it
         once landed; the last of N(m) hands m to the convert warps. Returns the hand-offs."""
@@ -79,30 +119,34 @@ class DqConvert:
             if old == self.key_blocks_seen(m_block, seq) - 1:
                 last = Int32(1)
         if cute.arch.shuffle_sync(last, 0) != 0:
-            self.hand_off(ring, slots, k, m_block)
+            self.hand_off(convert, k, m_block)
             k += 1
         return k
 
     @cute.jit
-    def hand_off(self, ring, slots: cute.Tensor, k: Int32, value: Int32):
+    def hand_off(self, convert: ConvertResources, k: Int32, value: Int32):
+        """dQ warp: ``value`` (a query block, or -1: no more) into the ring's ``k``-th slot."""
         state = ring_state(k, True)
-        ring.producer_acquire(state)
+        convert.ring.producer_acquire(state)
         if cute.arch.lane_idx() == 0:
-            slots[state.index] = value
-            ring.producer_commit(state)
+            convert.slots[state.index] = value
+            convert.ring.producer_commit(state)
 
     @cute.jit
-    def convert_blocks(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, ring,
-                       slots: cute.Tensor, tile):
+    def convert_blocks(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
+                       convert: ConvertResources, tile):
         """Convert warps: every query block the dQ warp hands over, until its sentinel."""
+        ring, slots = convert.ring, convert.slots
         tidx = cute.arch.thread_idx()[0] % CONVERT_THREADS
-        k = Int32(0)
+        k, chunk = Int32(0), Int32(0)  # blocks taken, chunks issued (stage / phase)
         state = ring_state(k, False)
         ring.consumer_wait(state)
         m_block = slots[state.index]
         ring.consumer_release(state)
         while m_block >= 0:
-            self.convert_block(mdQaccum, mdQ, scale, tile, m_block, tidx)
+            self.convert_block(mdQaccum, mdQ, scale, tile, m_block, tidx, convert.sStage,
+                               convert.mbar, chunk)
+            chunk += self.tile_m // CONVERT_ROWS
             k += 1
             state = ring_state(k, False)
             ring.consumer_wait(state)
@@ -111,32 +155,66 @@ class DqConvert:
 
     @cute.jit
     def convert_block(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, tile,
-                      m_block: Int32, tidx: Int32):
+                      m_block: Int32, tidx: Int32, sStage: cute.Tensor, mbar: cute.Pointer,
+                      chunk0: Int32):
         """dQ rows of query block ``m_block`` = scale * dQaccum, rounded; rows below seqlen_q.
-        Each batch of CONVERT_BATCH vectors is loaded before any is stored (a store may alias
-        the next load: one L2 round trip after another otherwise)."""
+        ``chunk0``: chunks staged before this block (each stage's mbarrier phase)."""
         seq, head, batch = tile.seq, tile.head, tile.batch
-        gAcc = seq.q_pad_rows(mdQaccum, head, batch)
+        gAcc = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (self.tile_m, self.d),
+                               (m_block, 0))
         gOut = seq.q_rows(mdQ, head, batch)
+        chunks = self.tile_m // CONVERT_ROWS
+        # A chunk's rows are contiguous (row stride dq_row); the last row's padding is left
+        # out (it may lie past the allocation at the end of dQaccum).
+        chunk_bytes = (CONVERT_ROWS * self.cfg.dq_row - self.cfg.dq_row_pad) * 4
+        if tidx == 0:
+            cute.arch.fence_proxy("async.global")  # the acquired adds, then async reads
+            for c in cutlass.range_constexpr(min(CONVERT_STAGES, chunks)):
+                self.stage_chunk(gAcc, sStage, mbar, chunk0 + c, c, chunk_bytes)
         vecs_per_row = self.d // CONVERT_VEC
-        per_thread = self.tile_m * vecs_per_row // CONVERT_THREADS
-        for b in cutlass.range(per_thread // CONVERT_BATCH, unroll=1):
-            spots, accs = [], []
-            for i in cutlass.range_constexpr(CONVERT_BATCH):
-                v = (b * CONVERT_BATCH + i) * CONVERT_THREADS + tidx
-                row = m_block * self.tile_m + v // vecs_per_row
+        for c in cutlass.range_constexpr(chunks):
+            n = chunk0 + c
+            stage = n % CONVERT_STAGES
+            cute.arch.mbarrier_wait(mbar + stage, (n // CONVERT_STAGES) % 2)
+            for i in cutlass.range_constexpr(CONVERT_ROWS * vecs_per_row // CONVERT_THREADS):
+                v = i * CONVERT_THREADS + tidx
+                r = v // vecs_per_row
                 col = v % vecs_per_row
+                row = m_block * self.tile_m + c * CONVERT_ROWS + r
                 acc = cute.make_rmem_tensor((CONVERT_VEC,), Float32)
-                cute.autovec_copy(cute.local_tile(gAcc[row, None], (CONVERT_VEC,),
+                cute.autovec_copy(cute.local_tile(sStage[stage, r, None], (CONVERT_VEC,),
                                                   (self.acc_col(col, row),)), acc)
-                spots.append((row, col))
-                accs.append(acc)
-            for (row, col), acc in zip(spots, accs):
                 if row < seq.seqlen_q:
                     out = cute.make_rmem_tensor((CONVERT_VEC,), self.dtype)
                     out.store((acc.load() * scale).to(self.dtype))
                     cute.autovec_copy(out, cute.local_tile(gOut[row, None], (CONVERT_VEC,),
                                                            (col,)))
+            if const_expr(c + CONVERT_STAGES < chunks):
+                # every convert thread has read the stage: it takes chunk c + CONVERT_STAGES
+                cute.arch.barrier(barrier_id=int(Barrier.CONVERT),
+                                  number_of_threads=CONVERT_THREADS)
+                if tidx == 0:
+                    self.stage_chunk(gAcc, sStage, mbar, n + CONVERT_STAGES,
+                                     c + CONVERT_STAGES, chunk_bytes)
+        # the last chunks' stages are rewritten only after the next block's first wait ...
+        # which follows this barrier: no thread still reads them then
+        cute.arch.barrier(barrier_id=int(Barrier.CONVERT), number_of_threads=CONVERT_THREADS)
+
+    @cute.jit
+    def stage_chunk(self, gAcc: cute.Tensor, sStage: cute.Tensor, mbar: cute.Pointer,
+                    n: Int32, c: int, num_bytes: int):
+        """Convert thread 0: chunk ``c`` of the block (the ``n``-th chunk staged) into its
+        stage by one bulk copy completing on the stage's mbarrier."""
+        stage = n % CONVERT_STAGES
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, num_bytes)
+        src = gAcc[c * CONVERT_ROWS, None].iterator
+        dst = sStage[stage, 0, None].iterator
+        llvm.inline_asm(
+            None, [dst.toint().ir_value(), src.llvm_ptr, Int32(num_bytes).ir_value(),
+                   (mbar + stage).toint().ir_value()],
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+            "[$0], [$1], $2, [$3];", "r,l,r,r", has_side_effects=True, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT)
 
     def acc_col(self, col, row):
         """dQaccum's vector holding output vector ``col`` of ``row`` (cfg.dq_swizzle's groups;

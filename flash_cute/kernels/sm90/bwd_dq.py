@@ -157,12 +157,13 @@ class DqTile:
 
     @cute.jit
     def dq_reduce(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor,
-                  tiles, ring=None, slots=None):
+                  tiles, convert=None):
         """dQ warp: per tile and query block, add the sdQ tile into the block's dQaccum rows
         with a TMA bulk reduction; sdQ is handed back once the reduction has read it.
-        cfg.fuse_dq_post: ``ring`` / ``slots`` take the blocks to convert (bwd_convert.py)."""
+        cfg.fuse_dq_post: ``convert`` (bwd_convert.ConvertResources) takes the blocks to
+        convert."""
         lane = cute.arch.lane_idx()
-        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane, ring, slots),
+        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane, convert),
                        Int32(0) if const_expr(self.cfg.fuse_dq_post) else None)
         if lane == 0:  # sdQ read: the CTA may exit (its adds land before the grid completes)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -180,7 +181,7 @@ class DqTile:
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
-                ring, slots, tile: KeyTile, carry):
+                convert, tile: KeyTile, carry):
         """The sdQ hand-off, per query block: DQ_EMPTY (dQ warp arrives, mma warpgroups wait)
         then DQ_FULL (mma warpgroups arrive, dQ warp waits), one of each per block. One CTA
         per tile: the first arrive precedes the loop and the last block's is skipped, so no
@@ -245,9 +246,9 @@ class DqTile:
                         number_of_threads=threads)
             if const_expr(self.cfg.fuse_dq_post):  # carry: the blocks handed to convert
                 carry = self.count_landed(self.dq_counter(mSem, tile, m_block), m_block, seq,
-                                          ring, slots, carry)
+                                          convert, carry)
         if const_expr(self.cfg.fuse_dq_post):
-            self.hand_off(ring, slots, carry, Int32(-1))  # the convert warps' sentinel
+            self.hand_off(convert, carry, Int32(-1))  # the convert warps' sentinel
             carry += 1
         return carry
 
