@@ -472,7 +472,7 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
         stagger = {} if persistent or chosen & _ORDER_FIELDS else BATCHED_D64_STAGGER
         out = {**BATCHED_TILE_M128, **stagger, **(cfg_overrides or {})}
     elif (d == 128 and not persistent and not local and seqlen_q >= talt_min
-            and not chosen & _TALT_TILE_FIELDS):
+            and not chosen & _TALT_TILE_FIELDS and not _fuse_chosen(cfg_overrides)):
         capped = ({"early_lse_d": False} if (softcap or alibi) and "early_lse_d" not in chosen
                   else {})
         return {**BATCHED_TALT, **capped, **(cfg_overrides or {})}  # dQ^T rows unpadded
@@ -480,6 +480,12 @@ def batched_overrides(d: int, cfg_overrides=None, causal: bool = False, seqlen_q
             and not persistent and not chosen & _TILE_FIELDS and not (softcap and d == 64)):
         out = {**(out or {}), "swizzle_dq": True}
     return out
+
+
+def _fuse_chosen(cfg_overrides) -> bool:
+    """BwdSm90Config.fuse_dq_post asked for (by the caller or FLASH_CUTE_BWD_CONFIG): the
+    80-row tile's transposed dQ does not take it, so the 64-row tile stays."""
+    return bool({**env_overrides(), **(cfg_overrides or {})}.get("fuse_dq_post"))
 
 
 # Softcap with ALiBi: the bias recomputed beside the recovered tanh (bwd_cols.tanh_grad) costs

@@ -842,7 +842,7 @@ class BwdSm90Config:
         """Whether this kernel can take split_tail: its pieces hand over the narrow
         one-tile-per-CTA kernel's dK / dV accumulators before the shared epilogue."""
         return not (self.wide or self.persistent or self.timeline or self.early_dv
-                    or self.early_dk)
+                    or self.early_dk or self.fuse_dq_post)
 
     @property
     def dq_cols_per_wg(self) -> int:

@@ -21,8 +21,9 @@ def _arch():
 
 # (d, causal, varlen, gqa, overrides): the host's tiles where the 80-row one is not taken
 # (d=64's 128-row tile with its swizzled short-call rows, d=96, d=128's 64-row tile).
-FUSED = [(64, True, False, False, {"tile_m": 128, "dq_split": "m"}),
-         (64, False, False, False, {"tile_m": 128, "dq_split": "m", "swizzle_dq": True}),
+D64 = {"tile_m": 128, "dq_split": "alt", "stagger": True}  # backward.batched_overrides' d=64
+FUSED = [(64, True, False, False, D64),
+         (64, False, False, False, {**D64, "swizzle_dq": True}),
          (96, True, False, False, {}),
          (128, True, False, False, {}),
          (128, False, False, True, {"swizzle_dq": True}),
@@ -65,3 +66,16 @@ def test_fused_dq_refuses_kernel(kw, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="fuse_dq_post"):
         backward.bwd_cubin(ARCH, "BFloat16", 128, True, fuse_dq_post=True, **kw)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q", [512, 1024, 4096, 16384])
+def test_fused_dq_keeps_a_tile_that_takes_it(d, causal, seqlen_q):
+    """Asked for, fuse_dq_post keeps the host's tile choice off the 80-row tile and the split
+    tail (neither takes it), so every batched call gets a config that compiles."""
+    ov = backward.split_tail_overrides(
+        d, backward.batched_overrides(d, {"fuse_dq_post": True}, causal, seqlen_q), causal,
+        False, False, seqlen_q)
+    cfg = backward.bwd_config(d, ov, causal)
+    assert cfg.fuse_dq_post and not cfg.dq_transposed and not cfg.split_tail
