@@ -41,9 +41,12 @@ def test_fused_dq_compiles(d, causal, varlen, gqa, ov, tmp_path, monkeypatch):
     ops = opcodes(sass)
     assert_wgmma_not_serialized(ops)
     assert not ops.get("LDL") and not ops.get("STL"), "spills"
-    # One counter add per landed block, acquire + release (a GPU-scope fence before it).
-    assert len(re.findall(r"ATOMG\.E\.ADD\.STRONG\.GPU", sass)) == 1
+    # One counter add per landed block, acquire + release (a GPU-scope fence before it): in
+    # the loop for the block before (its reduce waited on with the newer one in flight) and
+    # after it for the tile's last.
+    assert len(re.findall(r"ATOMG\.E\.ADD\.STRONG\.GPU", sass)) == 2
     assert "MEMBAR.ALL.GPU" in sass
+    assert re.search(r"DEPBAR\.LE SB0, 0x1\b", sass)
     # The convert warps stage each block by bulk copies, one per CONVERT_ROWS rows, after a
     # proxy fence (the acquired adds were the async proxy's).
     tile_m = ov.get("tile_m", 64)

@@ -5,8 +5,9 @@ that sees it: N(m) of them (all key blocks; causal: those left of the diagonal's
 block count the forward's n_block_max gives, without its floor of one). A counter per query
 block (the deterministic semaphores' buffer, zeroed by the host) counts them as they land:
 
-    dQ warp, per query block m of its tile, after handing sdQ back (DQ_EMPTY):
-        wait for the reduce to complete, fence.proxy.async (its writes, made by the async
+    dQ warp, per query block m of its tile, after block m + 1's reduce is issued and sdQ
+        handed back (DQ_EMPTY; the tile's last block: after the loop), so the wait is short:
+        wait for m's reduce to complete, fence.proxy.async (its writes, made by the async
         proxy, ordered before the generic release), old = atom.add.acq_rel(counter[m], 1);
         old == N(m) - 1: every other key block's adds have landed and this CTA saw them
         (acquire): m goes into the convert ring (one slot per pending block);
@@ -108,12 +109,13 @@ class DqConvert:
 
     @cute.jit
     def count_landed(self, sem: cute.Pointer, m_block: Int32, seq, convert: ConvertResources,
-                     k: Int32) -> Int32:
-        """dQ warp, after block ``m_block``'s reduce was issued and sdQ handed back: count it
-        once landed; the last of N(m) hands m to the convert warps. Returns the hand-offs."""
+                     k: Int32, newer: int) -> Int32:
+        """dQ warp: count block ``m_block``'s reduce once it has landed (``newer`` reduces
+        issued after it may still be in flight); the last of N(m) hands m to the convert
+        warps. Returns the hand-offs."""
         last = Int32(0)
         if cute.arch.lane_idx() == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)  # the adds have landed
+            cute.arch.cp_async_bulk_wait_group(newer, read=False)  # m's adds have landed
             cute.arch.fence_proxy("async.global")
             old = cute.arch.atomic_add(sem, Int32(1), sem="acq_rel", scope="gpu")
             if old == self.key_blocks_seen(m_block, seq) - 1:

@@ -244,10 +244,16 @@ class DqTile:
                     cute.arch.barrier_arrive(
                         barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_block + 1),
                         number_of_threads=threads)
-            if const_expr(self.cfg.fuse_dq_post):  # carry: the blocks handed to convert
-                carry = self.count_landed(self.dq_counter(mSem, tile, m_block), m_block, seq,
-                                          convert, carry)
+            if const_expr(self.cfg.fuse_dq_post):
+                # carry: the blocks handed to convert. The previous block is counted now, its
+                # adds long landed (one reduce, this one, may still be in flight).
+                if m_block > m_begin:
+                    carry = self.count_landed(self.dq_counter(mSem, tile, m_block - 1),
+                                              m_block - 1, seq, convert, carry, 1)
         if const_expr(self.cfg.fuse_dq_post):
+            if m_begin < m_end:
+                carry = self.count_landed(self.dq_counter(mSem, tile, m_end - 1), m_end - 1,
+                                          seq, convert, carry, 0)
             self.hand_off(convert, carry, Int32(-1))  # the convert warps' sentinel
             carry += 1
         return carry
