@@ -40,6 +40,8 @@ Warp roles (3 warpgroups, 384 threads):
                                           }   global (predicated; cfg.tma_epilogue: below)
                 setmaxnreg 240.
     WG0  dQ     warp 1: per query block, sdQ -> dQaccum rows with cp.reduce.async.bulk .add.f32.
+    WG0  convert warps 2-3, cfg.fuse_dq_post only: dQaccum -> dQ for the blocks whose last
+                reduce this CTA landed (bwd_convert.py; setmaxnreg 32 for WG0 then).
 
 Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
 empty barrier: one arrive per consumer warp, 8):
