@@ -30,11 +30,13 @@ CONVERT_STAGES later. Shared memory: CONVERT_STAGES * CONVERT_ROWS * dq_row * 4 
 26 KB; the kernel's 195 KB fits beside it).
 
 Rows no key block sees (N(m) = 0: causal with seqlen_q > seqlen_k, a sequence without keys)
-are fully masked: bwd_pre zeroes their dQ rows (LSE -inf) when it is given dQ.
+and varlen rows past seqused_q get no conversion: the host zeroes dQ for such calls
+(backward.bwd / varlen_bwd; moving that into bwd_pre, which sees LSE = -inf there, is open).
 
-Scope (BwdSm90Config.check_fuse_dq_post): one tile per CTA, non-deterministic, no split tail,
-dQaccum rows in order or with the swizzle_dq groups (not the transposed 80-row tile), no
-sliding window (its blocks' counts differ), the narrow kernel.
+Scope (BwdSm90Config.__post_init__ and FlashBwdSm90.__init__ refuse the rest): one tile per
+CTA, non-deterministic, no split tail, dQaccum rows in order or with the swizzle_dq groups
+(not the transposed 80-row tile), no sliding window (its blocks' counts differ), the narrow
+kernel.
 """
 from dataclasses import dataclass
 
