@@ -137,6 +137,7 @@ AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself 
 class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
     uniform_dq_desc = False  # see __init__
+    fuse_dq_post = False  # see __init__ (the wide kernel keeps bwd_post)
 
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
                  deterministic: bool = False, varlen: bool = False, local: bool = False,

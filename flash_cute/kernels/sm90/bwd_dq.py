@@ -163,8 +163,11 @@ class DqTile:
         cfg.fuse_dq_post: ``convert`` (bwd_convert.ConvertResources) takes the blocks to
         convert."""
         lane = cute.arch.lane_idx()
-        self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane, convert),
-                       Int32(0) if const_expr(self.cfg.fuse_dq_post) else None)
+        if const_expr(self.cfg.fuse_dq_post):
+            self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane,
+                                          convert=convert), Int32(0))
+        else:  # (bwd_wide.py's dq_tile takes no ``convert``)
+            self.each_tile(tiles, partial(self.dq_tile, mdQaccum, mSem, sdQ, lane), None)
         if lane == 0:  # sdQ read: the CTA may exit (its adds land before the grid completes)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.stamp(mSem, lane, {"dq_done": None})
@@ -181,7 +184,7 @@ class DqTile:
 
     @cute.jit
     def dq_tile(self, mdQaccum: cute.Tensor, mSem: cute.Tensor, sdQ: cute.Tensor, lane: Int32,
-                convert, tile: KeyTile, carry):
+                tile: KeyTile, carry, convert=None):
         """The sdQ hand-off, per query block: DQ_EMPTY (dQ warp arrives, mma warpgroups wait)
         then DQ_FULL (mma warpgroups arrive, dQ warp waits), one of each per block. One CTA
         per tile: the first arrive precedes the loop and the last block's is skipped, so no
