@@ -27,6 +27,7 @@ class _Launch:
         self.name, self.expected, self.launched = type(fn).__name__, args, launched
         cfg = getattr(fn, "cfg", None)
         self.split = getattr(cfg, "split_tail", False)
+        self.cfg_fuse = getattr(cfg, "fuse_dq_post", False)
 
     def __call__(self, *args):
         assert len(args) == len(self.expected), (self.name, len(args), len(self.expected))
@@ -258,7 +259,7 @@ def test_backward_launches_match_compile(launched, d, hk, causal, deterministic,
 def test_backward_softcap_launches_match_compile(launched, d, hk, causal, deterministic,
                                                  window):
     """The softcap backward kernels, batched (short and long calls: their tiles differ) and
-    varlen: softcap_scale last, scale_log2 = softcap * log2(e)."""
+    varlen: softcap_scale third from last, scale_log2 = softcap * log2(e)."""
     causal = causal or window is not None
     for sq in (700, 16384):
         q, k, v = _qkv((1, sq, 4, d), (1, 900, hk, d))
@@ -272,7 +273,8 @@ def test_backward_softcap_launches_match_compile(launched, d, hk, causal, determ
     mains = [c for c in launched if c.name in ("FlashBwdSm90", "FlashBwdWideSm90")]
     assert len(mains) == 3
     for main in mains:
-        assert main.args[-2] == pytest.approx(0.1 / 20.0) and main.args[-1] is None
+        # ... softcap_scale, slopes, dQ (cfg.fuse_dq_post only)
+        assert main.args[-3] == pytest.approx(0.1 / 20.0) and main.args[-2:] == (None, None)
         assert main.args[10] == pytest.approx(20.0 * dispatch.LOG2E)
 
 
@@ -280,7 +282,7 @@ def test_backward_softcap_launches_match_compile(launched, d, hk, causal, determ
 @pytest.mark.parametrize("d,hk", [(64, 4), (128, 2), (256, 1)])
 def test_backward_alibi_launches_match_compile(launched, d, hk, causal, deterministic):
     """The ALiBi backward kernels, batched (short and long calls) and varlen: the (batch,
-    heads) slopes last."""
+    heads) slopes before dQ (cfg.fuse_dq_post only), the last."""
     slopes = torch.rand(4)
     for sq in (700, 16384):
         q, k, v = _qkv((1, sq, 4, d), (1, 900, hk, d))
@@ -292,8 +294,8 @@ def test_backward_alibi_launches_match_compile(launched, d, hk, causal, determin
                         max_seqlen_q=400, max_seqlen_k=400, softmax_scale=0.1, causal=causal,
                         deterministic=deterministic, alibi_slopes=slopes)
     mains = [c for c in launched if c.name in ("FlashBwdSm90", "FlashBwdWideSm90")]
-    assert [m.args[-1].shape for m in mains] == [(1, 4), (1, 4), (2, 4)]
-    assert all(m.args[-2] is None for m in mains)
+    assert [m.args[-2].shape for m in mains] == [(1, 4), (1, 4), (2, 4)]
+    assert all(m.args[-3] is None and m.args[-1] is None for m in mains)  # softcap, dQ
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -310,7 +312,8 @@ def test_backward_window_launches_match_compile(launched, d, hk, deterministic):
                         deterministic=deterministic, window=(3, 800))
     mains = [x for x in launched if x.name.startswith("FlashBwd") and "Pre" not in x.name
              and "Post" not in x.name]
-    assert [x.args[-4:] for x in mains] == [(64, 5, None, None), (3, 800, None, None)]
+    assert [x.args[-5:] for x in mains] == [(64, 5, None, None, None),
+                                           (3, 800, None, None, None)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -385,7 +388,7 @@ def test_backward_split_tail_launch(launched, monkeypatch, d, causal, determinis
     backward.bwd(q, q, k, v, q, torch.zeros(2, 2, sq), softmax_scale=0.1, causal=causal,
                  deterministic=deterministic, persistent=False)
     main = next(launch for launch in launched if launch.name == "FlashBwdSm90")
-    tail_start, pieces, partial, tickets = main.args[-8:-4]  # window, softcap, slopes
+    tail_start, pieces, partial, tickets = main.args[-9:-5]  # window, softcap, slopes, dQ
     split = not causal and not deterministic and (long_call or bool(env))
     assert main.split == (split or bool(env))
     if not main.split:
@@ -411,3 +414,33 @@ def test_packed_sinks_and_merge_launches_match_compile(launched):
     assert [x.name for x in launched[-2:]] == ["CombineSplits"] * 2
     assert launched[-2].args[-2].data_ptr() == sink.data_ptr() and launched[-2].args[-1] == 4
     assert launched[-1].args[-2:] == (None, None)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_fused_dq_launch(launched, monkeypatch, d, causal):
+    """BwdSm90Config.fuse_dq_post: the main kernel gets dQ last and zeroed counters, no bwd_post
+    runs for dQ, and dQ is zeroed first exactly where some rows see no key (causal seqlen_q >
+    seqlen_k; varlen unless one cu_seqlens serves both sides)."""
+    monkeypatch.setenv(backward.CONFIG_ENV, "fuse_dq_post=1")
+    for sq, sk in ((700, 900), (16384, 900), (900, 700)):
+        launched.clear()
+        q, k, v = _qkv((1, sq, 4, d), (1, sk, 4, d))
+        dq = backward.bwd(q, q, k, v, q, torch.zeros(1, 4, sq), softmax_scale=0.1,
+                          causal=causal)[0]
+        assert [c.name for c in launched] == ["FlashBwdPreSm90", "FlashBwdSm90"]
+        main = launched[1]
+        assert main.cfg_fuse and main.args[-1].data_ptr() == dq.data_ptr()
+        assert not main.args[9].any()  # the per-block counters start at 0
+        assert bool((dq == 0).all()) or not (causal and sq > sk)
+    cu = torch.tensor([0, 300, 700], dtype=torch.int32)
+    for cu_k in (cu, cu.clone()):
+        launched.clear()
+        q, k, v = _qkv((700, 4, d), (700, 4, d))
+        dq = backward.varlen_bwd(q, q, k, v, q, torch.zeros(4, 700), cu_seqlens_q=cu,
+                                 cu_seqlens_k=cu_k, max_seqlen_q=400, max_seqlen_k=400,
+                                 softmax_scale=0.1, causal=causal)[0]
+        assert [c.name for c in launched] == ["FlashBwdPreSm90", "FlashBwdSm90"]
+        assert launched[1].args[-1].data_ptr() == dq.data_ptr()
+        if cu_k is not cu:
+            assert bool((dq == 0).all())
