@@ -137,7 +137,6 @@ AUTO_PACKED_TILE_M = 64  # ptxas packs this tile's 16-bit conversions by itself 
 class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
     remat_tid = False  # see __init__ (a class default: subclasses set their own fields)
     uniform_dq_desc = False  # see __init__
-    fuse_dq_post = False  # see __init__ (the wide kernel keeps bwd_post)
 
     def __init__(self, dtype, cfg: BwdSm90Config, causal: bool, dkv_dtype=None,
                  deterministic: bool = False, varlen: bool = False, local: bool = False,
@@ -172,7 +171,6 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
         if cfg.fuse_dq_post and (deterministic or local):
             raise ValueError("fuse_dq_post: not with deterministic=True or a window (their "
                              "per-block reduce counts differ)")
-        self.fuse_dq_post = cfg.fuse_dq_post
         self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
         # tile_m 128: S^T and dP^T take 64 fp32 registers each per thread; with dK + dV (64),
         # fp32 S^T kept for dS^T and its 16-bit copy for dV (32) ptxas serialized the wgmma
@@ -354,7 +352,7 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
             if const_expr(self.cfg.split_tail):
                 split_last: cute.struct.MemRange[Int32, 1]  # bwd_split.hand_over's verdict
-            if const_expr(self.fuse_dq_post):  # the convert ring (bwd_convert.py)
+            if const_expr(self.cfg.fuse_dq_post):  # the convert ring (bwd_convert.py)
                 mbar_cvt: cute.struct.MemRange[cutlass.Int64, 2 * cvt.CONVERT_SLOTS]
                 cvt_slots: cute.struct.MemRange[Int32, cvt.CONVERT_SLOTS]
                 mbar_stage: cute.struct.MemRange[cutlass.Int64, cvt.CONVERT_STAGES]
@@ -473,7 +471,7 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
                                         section, tail_section, split)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         convert = None
-        if const_expr(self.fuse_dq_post):  # initialised under make_tma_pipelines' fence + sync
+        if const_expr(self.cfg.fuse_dq_post):  # initialised under make_tma_pipelines' fence + sync
             convert = cvt.make_convert_resources(storage, self.cfg.dq_row)
         # Persistent with dK / dV TMA-stored from sK / sV: the storing warp alone releases
         # K/V, once the stores have read them.
@@ -513,7 +511,7 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
                        {"start": None, "start_ns": cute.arch.globaltimer_lo})
             if warp_idx // 4 == 0:
                 cute.arch.setmaxregister_decrease(
-                    cvt.CONVERT_REGS if const_expr(self.fuse_dq_post) else LOAD_REGS)
+                    cvt.CONVERT_REGS if const_expr(self.cfg.fuse_dq_post) else LOAD_REGS)
                 if warp_idx == 0:
                     ops = LoadOperands(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
                                        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d)
@@ -523,8 +521,8 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
                 if warp_idx == DQ_WARP:
                     pdl.wait_prior(self.cfg.pdl)  # dQaccum is zeroed by bwd_pre
                     self.dq_reduce(mdQaccum, mSem, sdQ, tiles,
-                                   *((convert,) if const_expr(self.fuse_dq_post) else ()))
-                if const_expr(self.fuse_dq_post):
+                                   *((convert,) if const_expr(self.cfg.fuse_dq_post) else ()))
+                if const_expr(self.cfg.fuse_dq_post):
                     if warp_idx == cvt.CONVERT_WARPS[0] or warp_idx == cvt.CONVERT_WARPS[1]:
                         self.convert_blocks(mdQaccum, mdQ, dk_scale, convert, tiles)
             else:

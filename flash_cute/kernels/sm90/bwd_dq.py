@@ -223,11 +223,7 @@ class DqTile:
             if lane == 0:
                 gdQ = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (tm, self.d),
                                       (m_block, 0))
-                if const_expr(self.varlen):
-                    sem = mSem.iterator + cute.crd2idx((seq.offset_q_pad // tm + m_block, head),
-                                                       mSem.layout)
-                else:
-                    sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
+                sem = self.dq_counter(mSem, tile, m_block)
                 if const_expr(self.deterministic):
                     turn = self.dq_order(n_block, m_block, seq)
                     while cute.arch.load(sem, Int32, sem="acquire", scope="gpu") != turn:
