@@ -7,17 +7,18 @@ from cutlass import Int32
 # i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right. Causal is right = 0;
 # the kernels take an unbounded side as a bound past every key (dispatch.window_bounds).
 def n_block_max(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32, seqlen_k: Int32,
-                causal: bool, window_right=None) -> Int32:
-    """One past the last key block the tile sees; at least 1, so fully masked rows still get
-    a (fully masked) block and come out as 0 with LSE -inf. ``window_right`` (a local
-    kernel's runtime bound) moves the causal diagonal right by that many keys."""
+                causal: bool, window_right=None, at_least_one: bool = True) -> Int32:
+    """One past the last key block the tile sees; at least 1 (the forward's need: fully
+    masked rows still get a fully masked block and come out as 0 with LSE -inf) unless
+    ``at_least_one`` is off. ``window_right`` (a local kernel's runtime bound) moves the
+    causal diagonal right by that many keys."""
     n_max = (seqlen_k + tile_n - 1) // tile_n
     if causal:
         last_col = (m_block + 1) * tile_m + seqlen_k - seqlen_q  # one past the last visible key
         if window_right is not None:
             last_col += window_right
         n_max = cutlass.min(n_max, cutlass.max(last_col + tile_n - 1, 0) // tile_n)
-    return cutlass.max(n_max, 1)
+    return cutlass.max(n_max, 1) if at_least_one else n_max
 
 
 def n_block_min_causal_mask(m_block: Int32, tile_m: int, tile_n: int, seqlen_q: Int32,

@@ -45,6 +45,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
 
+from ..common import block_info
 from .bwd_types import Barrier
 
 CONVERT_WARPS = (2, 3)   # load warpgroup warps with no other role (0: TMA loads, 1: dQ reduces)
@@ -102,12 +103,9 @@ class DqConvert:
 
     def key_blocks_seen(self, m_block: Int32, seq) -> Int32:
         """N(m): the key blocks whose reduce-adds query block ``m_block`` receives (bwd_tiles:
-        key block n visits m iff n * tile_n < last visible key + 1)."""
-        n = (seq.seqlen_k + self.tile_n - 1) // self.tile_n
-        if const_expr(self.causal):
-            last_col = (m_block + 1) * self.tile_m + seq.seqlen_k - seq.seqlen_q
-            n = cutlass.min(n, cutlass.max(last_col + self.tile_n - 1, 0) // self.tile_n)
-        return n
+        key block n visits m iff n * tile_n < last visible key + 1); zero where none does."""
+        return block_info.n_block_max(m_block, self.tile_m, self.tile_n, seq.seqlen_q,
+                                      seq.seqlen_k, self.causal, at_least_one=False)
 
     @cute.jit
     def count_landed(self, sem: cute.Pointer, m_block: Int32, seq, convert: ConvertResources,
