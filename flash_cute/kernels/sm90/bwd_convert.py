@@ -56,7 +56,7 @@ CONVERT_ROWS = 16        # dQaccum rows per bulk copy (d=128: 8.5 KB)
 CONVERT_STAGES = 3       # chunks in flight (~26 KB at d=128)
 # The load warpgroup's registers with these roles (bwd.py's 24 otherwise): 32 * 128 + 240 *
 # 256 = 64K, the mma warpgroups keep theirs.
-CONVERT_REGS = 32
+CONVERT_REGS = 24
 
 
 @dataclass(frozen=True)
