@@ -2,6 +2,7 @@
 import glob
 import os
 import re
+import struct
 import subprocess
 
 import pytest
@@ -39,8 +40,59 @@ def sass_text(cubin: bytes, tmp_path) -> str:
         pytest.skip("nvdisasm not installed: cubin built, SASS not checked")
     path = tmp_path / "k.cubin"
     path.write_bytes(cubin)
-    return subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True,
+    sass = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True,
                           check=True).stdout
+    assert_register_pool(cubin, sass)
+    return sass
+
+
+EIATTR_REGCOUNT = 0x2F   # .nv.info attribute: (symbol index, registers per thread)
+EIFMT_SVAL = 0x04        # .nv.info entry format: a u16 size and that many bytes follow
+
+
+def launch_registers(cubin: bytes) -> list:
+    """Registers per thread each kernel of a cubin launches with (.nv.info REGCOUNT)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize)
+                for i in range(count)]
+    strtab = sections[names][4]
+    counts = []
+    for sec in sections:
+        name = cubin[strtab + sec[0]:cubin.index(b"\0", strtab + sec[0])]
+        if name != b".nv.info":
+            continue
+        pos, end = sec[4], sec[4] + sec[5]
+        while pos < end:
+            fmt, attr = cubin[pos], cubin[pos + 1]
+            if fmt != EIFMT_SVAL:  # the other formats are 4 bytes in all
+                pos += 4
+                continue
+            if attr == EIATTR_REGCOUNT:
+                counts.append(struct.unpack_from("<I", cubin, pos + 8)[0])
+            pos += 4 + struct.unpack_from("<H", cubin, pos + 2)[0]
+    return counts
+
+
+def assert_register_pool(cubin: bytes, sass: str):
+    """A warp-specialized kernel's setmaxnreg split fits the pool its CTA launches with
+    (flash_cute/kernels/sm90/registers.py): one producer warpgroup at the largest DEALLOC
+    value, every other at the largest TRY_ALLOC value, the warpgroup count the most a CTA at
+    the cubin's per-thread register count can have. An increase past the pool never completes
+    (a hang no compile error shows)."""
+    dealloc = [int(v, 16) for v in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", sass)]
+    alloc = [int(v, 16) for v in
+             re.findall(r"USETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+)", sass)]
+    if not alloc:
+        return
+    regs = launch_registers(cubin)
+    dealloc = dealloc or regs
+    assert len(regs) == 1, f"one kernel per cubin expected, REGCOUNT entries {regs}"
+    wgs = 65536 // (regs[0] * 128)
+    need = 128 * (max(dealloc) + (wgs - 1) * max(alloc))
+    assert need <= regs[0] * 128 * wgs, (
+        f"setmaxnreg ({max(dealloc)}, {max(alloc)} x {wgs - 1}) needs {need} registers, the "
+        f"CTA launches with {regs[0]} x {128 * wgs}: the increase would never complete")
 
 
 def sass_opcodes(cubin: bytes, tmp_path) -> dict:

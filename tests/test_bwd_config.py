@@ -223,3 +223,17 @@ def test_skip_masked_wg_only_on_64_row_tiles():
     with pytest.raises(ValueError, match="skip_masked_wg"):
         dataclasses.replace(BwdSm90Config.for_head_dim(256), skip_masked_wg=True)
 
+
+
+def test_register_splits_fit_the_launch_pool():
+    """Every shipped setmaxnreg split fits the registers its CTA launches with; one past it
+    (the fused backward's first 32 + 240 + 240, which hung on the H100) is refused."""
+    from flash_cute.kernels.sm90 import bwd, fwd, registers
+    assert registers.launch_registers(384) == 168 and registers.launch_registers(512) == 128
+    registers.check_split(bwd.LOAD_REGS, bwd.MMA_REGS, bwd.NUM_MMA_WG)
+    for wgs, (load, consumer) in fwd.REGISTER_SPLIT.items():
+        registers.check_split(load, consumer, wgs)
+    with pytest.raises(ValueError, match="never complete"):
+        registers.check_split(32, 240, 2)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        registers.check_split(20, 240, 2)

@@ -41,7 +41,7 @@ Warp roles (3 warpgroups, 384 threads):
                 setmaxnreg 240.
     WG0  dQ     warp 1: per query block, sdQ -> dQaccum rows with cp.reduce.async.bulk .add.f32.
     WG0  convert warps 2-3, cfg.fuse_dq_post only: dQaccum -> dQ for the blocks whose last
-                reduce this CTA landed (bwd_convert.py; setmaxnreg 32 for WG0 then).
+                reduce this CTA landed (bwd_convert.py; in the load warpgroup's 24 registers).
 
 Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
 empty barrier: one arrive per consumer warp, 8):
@@ -114,7 +114,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx,
                              select_modes, store_packed, transpose_mn)
 from ..common.mask import add_alibi_key_major, apply_mask_key_major
 from ..common.softmax import LOG2E, softcap_scores
-from . import bwd_cols, bwd_convert as cvt, bwd_split, pdl
+from . import bwd_cols, bwd_convert as cvt, bwd_split, pdl, registers
 from .bwd_convert import DqConvert
 from .bwd_dq import DqTile, dqt_panel_layout
 from .bwd_load import TmaLoads
@@ -127,7 +127,7 @@ from .wgmma import gemm, make_smem_layout
 
 KEYS_PER_WG = 64     # one wgmma M per warpgroup
 LOAD_REGS = 24       # the load warp only issues TMA; give its registers to the mma warpgroups
-MMA_REGS = 240       # 24*128 + 240*256 <= 64K registers per SM
+MMA_REGS = 240       # 24*128 + 240*256 = 168 * 384, the launch pool (registers.check_split)
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 DQ_WARP = 1          # warp of WG0 that issues the dQ bulk reductions
 STORE_WARP = WG_THREADS // 32  # the first mma warp: issues the staged dK / dV TMA stores
@@ -172,6 +172,7 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
             raise ValueError("fuse_dq_post: not with deterministic=True or a window (their "
                              "per-block reduce counts differ)")
         self.num_threads = WG_THREADS * (1 + NUM_MMA_WG)
+        registers.check_split(LOAD_REGS, MMA_REGS, NUM_MMA_WG)
         # tile_m 128: S^T and dP^T take 64 fp32 registers each per thread; with dK + dV (64),
         # fp32 S^T kept for dS^T and its 16-bit copy for dV (32) ptxas serialized the wgmma
         # (C7512; computing dS^T before issuing dV spilled). So dS^T = P^T o (dP^T - D) reads
@@ -510,8 +511,7 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
             self.stamp(mSem, cute.arch.thread_idx()[0] - WG_THREADS,  # the first mma thread
                        {"start": None, "start_ns": cute.arch.globaltimer_lo})
             if warp_idx // 4 == 0:
-                cute.arch.setmaxregister_decrease(
-                    cvt.CONVERT_REGS if const_expr(self.cfg.fuse_dq_post) else LOAD_REGS)
+                cute.arch.setmaxregister_decrease(LOAD_REGS)
                 if warp_idx == 0:
                     ops = LoadOperands(mQ, mK, mV, mdO, mLSE, mD, sQ, sK, sV, sdO, sLSE, sD,
                                        tma_q, tma_k, tma_v, tma_do, tma_lse, tma_d)

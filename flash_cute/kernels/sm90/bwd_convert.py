@@ -54,9 +54,9 @@ CONVERT_SLOTS = 4        # query blocks awaiting conversion before the dQ warp w
 CONVERT_VEC = 8          # fp32 per thread and step: one 16-byte store of the 2-byte output
 CONVERT_ROWS = 16        # dQaccum rows per bulk copy (d=128: 8.5 KB)
 CONVERT_STAGES = 3       # chunks in flight (~26 KB at d=128)
-# The load warpgroup's registers with these roles (bwd.py's 24 otherwise): 32 * 128 + 240 *
-# 256 = 64K, the mma warpgroups keep theirs.
-CONVERT_REGS = 24
+# The convert warps run in the load warpgroup's 24 registers (bwd.LOAD_REGS; spill-free).
+# 32 hung the kernel: 32 * 128 + 240 * 256 exceeds the 168 * 384 launch pool, so the mma
+# warpgroups' setmaxnreg increase never completed (registers.check_split).
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ from ..common.layout import (acc_as_mn, acc_as_operand_a, opaque_thread_idx, row
 from ..common.mask import add_alibi, apply_mask
 from ..common.seqlen import SeqlenInfo
 from ..common.softmax import LOG2E, OnlineSoftmax, rescale_rows, softcap_scores
-from . import fwd_split
+from . import fwd_split, registers
 from .epilogue import stmatrix_acc, store_smem_rows, tma_store
 from .pipelines import make_tma_pipelines, tma_split
 from .fwd_kv import KvLoads
@@ -144,9 +144,8 @@ from .fwd_types import STORE_WARP, WG_ROWS, WG_THREADS, Barrier
 from .wgmma import gemm, make_smem_layout
 
 # setmaxnreg split (load warpgroup, each consumer warpgroup) by consumer count: the load warp
-# only issues TMA, so its registers go to the consumers; 128*load + 128*n*consumer <= 64K.
-# The totals stay within 168 * 384 (the registers each of 384 threads launches with): a
-# consumer increase past what the load warpgroup gave back is never granted (the kernel hangs).
+# only issues TMA, so its registers go to the consumers, within the launch pool
+# (registers.check_split: an increase past it never completes).
 REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 SMEM_ALIGN = 1024    # 128B-swizzled tiles must start on a 1 KB boundary
 
@@ -191,6 +190,7 @@ class FlashFwdSm90(fwd_split.SplitTail):
             raise ValueError(f"num_consumer_wg must be one of {sorted(REGISTER_SPLIT)}, "
                              f"got {self.num_wg}")
         self.load_regs, self.consumer_regs = REGISTER_SPLIT[self.num_wg]
+        registers.check_split(self.load_regs, self.consumer_regs, self.num_wg)
         if cfg.split_tail and (causal or varlen):
             raise ValueError("split_tail: batched non-causal only (its tiles must be equal)")
         self.num_threads = WG_THREADS * (1 + self.num_wg)
