@@ -235,3 +235,21 @@ def test_tanh_recovery_with_alibi_adds_the_bias_back(causal):
     wrong = _emulate_bwd(*args, tile_m=4, tile_n=8, softcap=2.0, slopes=slopes,
                          recover_bias=False)
     assert not torch.allclose(wrong[0], ref[0], atol=1e-3, rtol=1e-2)
+
+
+@given(sq=st.integers(1, 900), sk=st.integers(0, 900), causal=st.booleans(),
+       tile_m=st.sampled_from([64, 80, 128]), tile_n=st.sampled_from([64, 128]))
+def test_fused_dq_count_is_the_key_blocks_that_visit(sq, sk, causal, tile_m, tile_n):
+    """BwdSm90Config.fuse_dq_post: query block m is converted when its counter reaches N(m)
+    (bwd_convert.key_blocks_seen, n_block_max without its floor). N(m) must be exactly the
+    key blocks whose tile range (bwd_tiles.key_tile: m_block_min_causal .. all query blocks)
+    holds m: one fewer and dQ is written before the last add lands, one more and never."""
+    m_blocks = -(-sq // tile_m)
+    visits = [0] * m_blocks
+    for n in range(-(-sk // tile_n)):
+        m_begin = block_info.m_block_min_causal(n, tile_m, tile_n, sq, sk) if causal else 0
+        for m in range(m_begin, m_blocks):
+            visits[m] += 1
+    expected = [block_info.n_block_max(m, tile_m, tile_n, sq, sk, causal, at_least_one=False)
+                for m in range(m_blocks)]
+    assert visits == expected
