@@ -51,7 +51,7 @@ def main():
                 lse2, dsum, acc = backward._row_scratch((b, h, sq_pad), cfg.dq_row, d, o.device)
                 for t in (lse2, dsum, acc):
                     t.fill_(float("nan"))
-                pre_args = (o, do, lse, lse2, dsum, acc, *backward.NO_VARLEN_Q)
+                pre_args = (o, do, lse, lse2, dsum, acc, *backward.NO_VARLEN_Q, None)
                 pre(*pre_args)
                 torch.cuda.synchronize()
                 if acc.isnan().any():

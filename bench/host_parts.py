@@ -92,10 +92,11 @@ def parts(d, s, causal):
         ("bwd: config + kernel lookup", lambda: backward.get_bwd_kernels(
             "sm_90a", "BFloat16", d, causal, False, cfg_overrides=overrides())),
         ("bwd: pre launch", lambda: pre(out, do, lse, lse2, dpsum, dq_accum,
-                                        *backward.NO_VARLEN_Q)),
+                                        *backward.NO_VARLEN_Q, None)),
         ("bwd: main launch", lambda: main(q, k, v, do, lse2, dpsum, dq_accum, dk, dv, sem,
                                           scale * math.log2(math.e), scale, *nv, *sched,
-                                          *split)),
+                                          *split, *dispatch.NO_WINDOW, dispatch.NO_SOFTCAP,
+                                          None, None)),  # softcap, slopes, fused dQ
         ("bwd: post launch", lambda: post_dq(dq_accum.permute(0, 2, 1, 3)[:, :s], dq, scale,
                                              *backward.NO_VARLEN_Q)),
         ("bwd: backward.bwd", lambda: backward.bwd(do, q, k, v, out, lse, softmax_scale=scale,

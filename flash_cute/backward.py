@@ -266,7 +266,7 @@ def _fake_varlen_rows(cfg):
 
 
 def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=None,
-                 pdl=False, swizzle_dq=False):
+                 pdl=False, swizzle_dq=False, zero_dq=False):
     import cutlass
     import cutlass.cute as cute
 
@@ -289,15 +289,18 @@ def _compile_pre(arch, dtype_name, d, keep_cubin=False, varlen=False, tile_m=Non
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (h, sq),
                                                     stride_order=(1, 0), assumed_align=4)
         args = (_fake_qkv(dt, d, None, sq, h), _fake_qkv(dt, d, None, sq, h), lse,
-                *_fake_varlen_rows(cfg), _fake_int32s(), _fake_int32s())
+                *_fake_varlen_rows(cfg), _fake_int32s(), _fake_int32s(),
+                _fake_qkv(dt, d, None, sq, h) if zero_dq else None)
     else:
         sq_pad = cute.sym_int(divisibility=cfg.tile_m)
         lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (b, h, sq),
                                                     stride_order=(2, 1, 0), assumed_align=4)
         args = (_fake_qkv(dt, d, b, sq, h), _fake_qkv(dt, d, b, sq, h), lse,
                 _fake_padded_rows(b, h, sq_pad), _fake_padded_rows(b, h, sq_pad),
-                _fake_dq_accum(b, h, sq_pad, cfg), *NO_VARLEN_Q)
-    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m, pdl), args, keep_cubin)
+                _fake_dq_accum(b, h, sq_pad, cfg), *NO_VARLEN_Q,
+                _fake_qkv(dt, d, b, sq, h) if zero_dq else None)
+    return compile_kernel(FlashBwdPreSm90(dt, d, varlen, cfg.tile_m, pdl, zero_dq), args,
+                          keep_cubin)
 
 
 def _compile_main(arch, dtype_name, d, causal, gqa, keep_cubin=False, deterministic=False,
@@ -551,9 +554,10 @@ def get_bwd_kernels(arch: str, dtype_name: str, d: int, causal: bool, gqa: bool,
     tm, pdl = cfg.tile_m, cfg.pdl
     extra = tuple(sorted(overrides.items()))
     sw_dq = cfg.swizzle_dq
-    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl, sw_dq),
+    zero_dq = cfg.fuse_dq_post  # bwd_pre zeroes dQ where no key is seen (bwd_pre.py)
+    pre = _get(("bwd_pre", arch, dtype_name, d, varlen, tm, pdl, sw_dq, zero_dq),
                lambda: _compile_pre(arch, dtype_name, d, varlen=varlen, tile_m=tm, pdl=pdl,
-                                    swizzle_dq=sw_dq))
+                                    swizzle_dq=sw_dq, zero_dq=zero_dq))
     main = _get(("bwd", arch, dtype_name, d, causal, gqa, deterministic, varlen, persistent,
                  extra) + (("local",) if local else ()) + (("softcap",) if softcap else ())
                 + (("alibi",) if alibi else ()),
@@ -589,7 +593,8 @@ def bwd_cubin(arch: str, dtype_name: str, d: int, causal: bool = False, gqa: boo
     tm, pdl = cfg_overrides.get("tile_m"), cfg_overrides.get("pdl", False)
     if kernel == "pre":
         compiled = _compile_pre(arch, dtype_name, d, keep_cubin=True, varlen=varlen, tile_m=tm,
-                                pdl=pdl, swizzle_dq=cfg_overrides.get("swizzle_dq", False))
+                                pdl=pdl, swizzle_dq=cfg_overrides.get("swizzle_dq", False),
+                                zero_dq=cfg_overrides.get("fuse_dq_post", False))
     elif kernel == "post":
         compiled = _compile_post(arch, dtype_name, d, keep_cubin=True, varlen=varlen,
                                  tile_m=tm, pdl=pdl)
@@ -708,10 +713,14 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sq_pad = -(-sq // cfg.tile_m) * cfg.tile_m
     lse_log2, dpsum, dq_accum = _row_scratch((b, h, sq_pad), cfg.dq_row, d, q.device)
     out, dout = _tma_ready(out.detach()), _tma_ready(dout.detach())
-    pre(out, dout, lse.detach().contiguous(), lse_log2, dpsum, dq_accum, *NO_VARLEN_Q)
-
     # Contiguous whatever the inputs' strides: the layout flash_cute::bwd's fake promises.
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if cfg.fuse_dq_post and learnable_sink is not None and causal and sq > sk:
+        dq.zero_()  # a sink keeps the LSE of rows without keys finite: bwd_pre skips them
+    pre(out, dout, lse.detach().contiguous(), lse_log2, dpsum, dq_accum, *NO_VARLEN_Q,
+        dq if cfg.fuse_dq_post else None)
+
+    dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     q, k, v = (_tma_ready(t.detach()) for t in (q, k, v))
     if cfg.timeline:  # the stamps of every tile (config.BWD_TIMELINE) in place of semaphores
         sem = torch.zeros((b, h, -(-sk // cfg.tile_n) * len(BWD_TIMELINE)), dtype=torch.int32,
@@ -721,8 +730,6 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     else:
         sem = _semaphores((b, h, sq_pad // cfg.tile_m), deterministic or cfg.fuse_dq_post,
                           q.device)
-    if cfg.fuse_dq_post and causal and sq > sk:
-        dq.zero_()  # the rows no key sees get no conversion (bwd_convert.py)
     dk_out, dv_out = _dkv_sums((b, sk, h, d), q.device, torch.empty) if gqa else (dk, dv)
     scale_log2, softcap_scale = softmax_scales(softmax_scale, softcap)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, sem, scale_log2,
@@ -824,9 +831,16 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     lse_log2, dpsum, dq_accum = _row_scratch((h, rows), cfg.dq_row, d, q.device,
                                              rows_zeroed=learnable_sink is not None)
     out, dout = _tma_ready(out.detach()), _tma_ready(dout.detach())
-    pre(out, dout, lse.detach().contiguous(), lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # bwd_pre zeroes the rows no key sees (LSE -inf), but not those past seqused_q, nor those
+    # a sink gives a finite LSE (one cu_seqlens for both sides: every row sees its own key)
+    if cfg.fuse_dq_post and (seqused_q is not None or learnable_sink is not None and not (
+            cu_seqlens_k is cu_seqlens_q and seqused_k is None)):
+        dq.zero_()
+    pre(out, dout, lse.detach().contiguous(), lse_log2, dpsum, dq_accum, cu_seqlens_q, used_q,
+        dq if cfg.fuse_dq_post else None)
 
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     if seqused_k is not None:  # the kernel writes no key row past seqused_k
         dk.zero_(), dv.zero_()
     q, k, v = (_tma_ready(t.detach()) for t in (q, k, v))
@@ -837,11 +851,6 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         last_timeline = sem  # CTAs past the last tile stamp nothing: their rows stay 0
     else:
         sem = _semaphores((h, rows // cfg.tile_m), deterministic or cfg.fuse_dq_post, q.device)
-    if cfg.fuse_dq_post and not (cu_seqlens_k is cu_seqlens_q and seqused_k is None
-                                 and seqused_q is None):
-        # Rows past seqused_q and rows no key sees get no conversion (bwd_convert.py); one
-        # cu_seqlens for both sides (self-attention) has every row seeing its own key.
-        dq.zero_()
     if gqa:
         dk_out, dv_out = _dkv_sums((total_k, h, d), q.device,
                                    torch.empty if seqused_k is None else torch.zeros)

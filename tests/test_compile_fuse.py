@@ -10,6 +10,7 @@ import pytest
 from flash_cute import backward
 from flash_cute.config import BwdSm90Config
 from flash_cute.kernels.sm90.bwd_convert import CONVERT_ROWS
+from flash_cute.kernels.sm90.bwd_pre import BATCHED_PASSES, ROWS_PER_CTA
 
 from sass_utils import ARCH, assert_wgmma_not_serialized, require_arch, sass_text, opcodes
 
@@ -82,3 +83,19 @@ def test_fused_dq_keeps_a_tile_that_takes_it(d, causal, seqlen_q):
         False, False, seqlen_q)
     cfg = backward.bwd_config(d, ov, causal)
     assert cfg.fuse_dq_post and not cfg.dq_transposed and not cfg.split_tail
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_dq_pre_zeroes_rows_without_keys(d, varlen, tmp_path, monkeypatch):
+    """bwd_pre with zero_dq (fuse_dq_post's) compiles, and its only new stores are the dQ
+    zeros of rows with LSE -inf: per 32-row pass, a lane's 16-byte vectors of its row."""
+    monkeypatch.chdir(tmp_path)
+    sass = [sass_text(backward.bwd_cubin(ARCH, "BFloat16", d, kernel="pre", varlen=varlen,
+                                         fuse_dq_post=zero), tmp_path) for zero in (False, True)]
+    assert not re.search(r"\b(LDL|STL)\b", sass[1]), "spills"
+    stores = [len(re.findall(r"\bSTG\.E\.128\b", s)) for s in sass]
+    tile_m = BwdSm90Config.for_head_dim(d).tile_m  # varlen: a CTA's rows, 32 a pass
+    passes = -(-tile_m // ROWS_PER_CTA) if varlen else BATCHED_PASSES.get(d, 1)
+    dq_vectors = d * 2 // 16 // 4  # a bf16 row's 16-byte vectors over its 4 lanes
+    assert stores[1] - stores[0] == passes * dq_vectors

@@ -28,6 +28,7 @@ class _Launch:
         cfg = getattr(fn, "cfg", None)
         self.split = getattr(cfg, "split_tail", False)
         self.cfg_fuse = getattr(cfg, "fuse_dq_post", False)
+        self.zero_dq = getattr(fn, "zero_dq", False)  # bwd_pre's (fused dQ)
 
     def __call__(self, *args):
         assert len(args) == len(self.expected), (self.name, len(args), len(self.expected))
@@ -420,27 +421,30 @@ def test_packed_sinks_and_merge_launches_match_compile(launched):
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_fused_dq_launch(launched, monkeypatch, d, causal):
     """BwdSm90Config.fuse_dq_post: the main kernel gets dQ last and zeroed counters, no bwd_post
-    runs for dQ, and dQ is zeroed first exactly where some rows see no key (causal seqlen_q >
-    seqlen_k; varlen unless one cu_seqlens serves both sides)."""
+    runs for dQ, and bwd_pre gets dQ last (it zeroes the rows no key sees). The host zeroes dQ
+    only where bwd_pre cannot: rows past seqused_q, and rows without keys that a learnable
+    sink gives a finite LSE."""
     monkeypatch.setenv(backward.CONFIG_ENV, "fuse_dq_post=1")
     for sq, sk in ((700, 900), (16384, 900), (900, 700)):
-        launched.clear()
-        q, k, v = _qkv((1, sq, 4, d), (1, sk, 4, d))
-        dq = backward.bwd(q, q, k, v, q, torch.zeros(1, 4, sq), softmax_scale=0.1,
-                          causal=causal)[0]
-        assert [c.name for c in launched] == ["FlashBwdPreSm90", "FlashBwdSm90"]
-        main = launched[1]
-        assert main.cfg_fuse and main.args[-1].data_ptr() == dq.data_ptr()
-        assert not main.args[9].any()  # the per-block counters start at 0
-        assert bool((dq == 0).all()) or not (causal and sq > sk)
+        for sink in (None, torch.randn(4)):
+            launched.clear()
+            q, k, v = _qkv((1, sq, 4, d), (1, sk, 4, d))
+            dq = backward.bwd(q, q, k, v, q, torch.zeros(1, 4, sq), softmax_scale=0.1,
+                              causal=causal, learnable_sink=sink)[0]
+            assert [c.name for c in launched] == ["FlashBwdPreSm90", "FlashBwdSm90"]
+            pre, main = launched
+            assert pre.zero_dq and pre.args[-1].data_ptr() == dq.data_ptr()
+            assert main.cfg_fuse and main.args[-1].data_ptr() == dq.data_ptr()
+            assert not main.args[9].any()  # the per-block counters start at 0
+            assert bool((dq == 0).all()) or not (causal and sq > sk and sink is not None)
     cu = torch.tensor([0, 300, 700], dtype=torch.int32)
-    for cu_k in (cu, cu.clone()):
+    for cu_k, used_q in ((cu, None), (cu.clone(), None), (cu, torch.tensor([200, 400]))):
         launched.clear()
         q, k, v = _qkv((700, 4, d), (700, 4, d))
         dq = backward.varlen_bwd(q, q, k, v, q, torch.zeros(4, 700), cu_seqlens_q=cu,
                                  cu_seqlens_k=cu_k, max_seqlen_q=400, max_seqlen_k=400,
-                                 softmax_scale=0.1, causal=causal)[0]
+                                 softmax_scale=0.1, causal=causal, seqused_q=used_q)[0]
         assert [c.name for c in launched] == ["FlashBwdPreSm90", "FlashBwdSm90"]
-        assert launched[1].args[-1].data_ptr() == dq.data_ptr()
-        if cu_k is not cu:
+        assert [c.args[-1].data_ptr() for c in launched] == [dq.data_ptr()] * 2
+        if used_q is not None:
             assert bool((dq == 0).all())

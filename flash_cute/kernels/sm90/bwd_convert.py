@@ -30,8 +30,9 @@ CONVERT_STAGES later. Shared memory: CONVERT_STAGES * CONVERT_ROWS * dq_row * 4 
 26 KB; the kernel's 195 KB fits beside it).
 
 Rows no key block sees (N(m) = 0: causal with seqlen_q > seqlen_k, a sequence without keys)
-and varlen rows past seqused_q get no conversion: the host zeroes dQ for such calls
-(backward.bwd / varlen_bwd; moving that into bwd_pre, which sees LSE = -inf there, is open).
+and varlen rows past seqused_q get no conversion: bwd_pre (zero_dq) writes dQ = 0 on rows with
+LSE -inf; the host zeroes dQ where that misses some (rows past seqused_q, rows a learnable
+sink gives a finite LSE: backward.bwd / varlen_bwd).
 
 Scope (BwdSm90Config.__post_init__ and FlashBwdSm90.__init__ refuse the rest): one tile per
 CTA, non-deterministic, no split tail, dQaccum rows in order or with the swizzle_dq groups

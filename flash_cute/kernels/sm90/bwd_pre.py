@@ -30,6 +30,11 @@ instead gave each instruction 16-byte pieces 64 or 128 bytes apart, half sectors
 FA4's 84 us at 16k tokens, 16 heads, d = 128 under ncu.) Memory-bound: it reads dO and O once
 (4 * s * h * d bytes) and writes dQaccum once (4 * s * h * d bytes).
 
+Fused dQ (``zero_dq=True``, BwdSm90Config.fuse_dq_post): the main kernel converts only the query
+blocks some key block sees, so this kernel writes dQ = 0 on the rows whose LSE is -inf (every
+row of a block no key sees has it; other such rows come out 0 either way). Rows past
+seqused_q are not visited here: the host zeroes dQ for those calls.
+
 PDL (``pdl=True``, kernels/sm90/pdl.py): a plain launch that lets the main kernel start after
 its O / dO loads; the main kernel waits for its completion before reading its outputs.
 """
@@ -60,9 +65,10 @@ LOG2E = math.log2(math.e)
 
 class FlashBwdPreSm90:
     def __init__(self, dtype, head_dim: int, varlen: bool = False, tile_m: int = 64,
-                 pdl: bool = False):
+                 pdl: bool = False, zero_dq: bool = False):
         """``tile_m``: the main kernel's query tile (varlen: the padded-row unit). ``pdl``:
-        the main kernel is launched as its programmatic dependent."""
+        the main kernel is launched as its programmatic dependent. ``zero_dq``: dQ's rows
+        with LSE -inf are zeroed (the module docstring's fused dQ)."""
         if head_dim * dtype.width // 8 % (VEC_BYTES * THREADS_PER_ROW) != 0:
             raise ValueError(f"head_dim {head_dim}: rows must split into {THREADS_PER_ROW} "
                              f"lanes of {VEC_BYTES}-byte vectors")
@@ -71,30 +77,33 @@ class FlashBwdPreSm90:
         self.varlen = varlen
         self.tile_m = tile_m
         self.pdl = pdl
+        self.zero_dq = zero_dq
         self.passes = 1 if varlen else BATCHED_PASSES.get(head_dim, 1)
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                  mLSElog2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
                  mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
-                 stream: cuda.CUstream):
+                 mdQ: Optional[cute.Tensor], stream: cuda.CUstream):
         """Batched: mO, mdO (b, sq, h, d); mLSE (b, h, sq) fp32; mLSElog2, mD (b, h, sq_pad)
         fp32; mdQaccum (b, h, sq_pad, d) fp32; the varlen arguments None. Varlen: mO, mdO
         (total_q, h, d); mLSE (h, total_q); mLSElog2, mD (h, rows); mdQaccum (h, rows, d);
-        cu_seqlens_q (b + 1,), seqused_q (b,) int32."""
+        cu_seqlens_q (b + 1,), seqused_q (b,) int32. mdQ: ``zero_dq`` only (else None), dQ
+        laid out as mO."""
         if const_expr(self.varlen):
             grid = [scheduler.varlen_num_tiles(mO.shape[0], mCuSeqlensQ.shape[0] - 1,
                                                self.tile_m, mO.shape[1]), 1, 1]
         else:
             grid = [cute.ceil_div(mLSElog2.shape[2], ROWS_PER_CTA * self.passes), mO.shape[2],
                     mO.shape[0]]
-        self.kernel(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, mCuSeqlensQ, mSeqUsedQ).launch(
+        self.kernel(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, mCuSeqlensQ, mSeqUsedQ, mdQ).launch(
             grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
                mLSElog2: cute.Tensor, mD: cute.Tensor, mdQaccum: cute.Tensor,
-               mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor]):
+               mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+               mdQ: Optional[cute.Tensor]):
         tidx = cute.arch.thread_idx()[0]
         lane_row = tidx // THREADS_PER_ROW
         if const_expr(self.varlen):
@@ -116,6 +125,10 @@ class FlashBwdPreSm90:
                 packed.append(cute.domain_offset((0, seq.offset_q), mLSE))
                 padded = [cute.domain_offset((0, seq.offset_q_pad), t) for t in (mLSElog2, mD)]
                 padded.append(cute.domain_offset((0, seq.offset_q_pad, 0), mdQaccum))
+                if const_expr(self.zero_dq):
+                    packed.append(cute.domain_offset((seq.offset_q, 0, 0), mdQ))
+                else:
+                    packed.append(None)
                 end = cutlass.min((block + 1) * self.tile_m,
                                   cute.round_up(seq.seqlen_q, self.tile_m))
                 self.rows(*packed, *padded, (), head,
@@ -124,15 +137,16 @@ class FlashBwdPreSm90:
                           seq.seqlen_q, end, tidx % THREADS_PER_ROW)
         else:
             row_block, head, batch = cute.arch.block_idx()
-            self.rows(mO, mdO, mLSE, mLSElog2, mD, mdQaccum, (batch,), head,
+            self.rows(mO, mdO, mLSE, mdQ, mLSElog2, mD, mdQaccum, (batch,), head,
                       [(row_block * self.passes + p) * ROWS_PER_CTA + lane_row
                        for p in range(self.passes)], mO.shape[1], mLSElog2.shape[2],
                       tidx % THREADS_PER_ROW)
 
     @cute.jit
-    def rows(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSElog2: cute.Tensor,
-             mD: cute.Tensor, mdQaccum: cute.Tensor, batch_crd, head: Int32, rows: list,
-             seqlen_q: Int32, end: Int32, part: Int32):
+    def rows(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+             mdQ: Optional[cute.Tensor], mLSElog2: cute.Tensor, mD: cute.Tensor,
+             mdQaccum: cute.Tensor, batch_crd, head: Int32, rows: list, seqlen_q: Int32,
+             end: Int32, part: Int32):
         """Lane ``part`` of each row in ``rows`` (one per 32-row pass): reads below seqlen_q,
         writes below ``end`` (the padded length, or this CTA's share of it). Every pass's
         loads go out before any store: a store would order the next pass's loads behind it
@@ -142,6 +156,9 @@ class FlashBwdPreSm90:
         pdl.launch_dependents(self.pdl)  # O, dO read: the main kernel's prologue may start
         for r, (dot, lse_log2) in zip(rows, loaded):
             self.row_store(mLSElog2, mD, mdQaccum, batch_crd, head, r, end, part, dot, lse_log2)
+            if const_expr(self.zero_dq):
+                if r < seqlen_q and lse_log2 == Float32.inf:  # a real row that sees no key
+                    self.zero(self.lane_part(mdQ[(*batch_crd, r, head, None)], part))
 
     @cute.jit
     def row_load(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, batch_crd,
@@ -174,10 +191,15 @@ class FlashBwdPreSm90:
             if part == 0:
                 mLSElog2[(*batch_crd, head, row)] = lse_log2
                 mD[(*batch_crd, head, row)] = dot
-            gdQ = self.lane_part(mdQaccum[(*batch_crd, head, row, None)], part)
-            zeros = cute.make_rmem_tensor_like(gdQ)
-            zeros.fill(0.0)
-            cute.autovec_copy(zeros, gdQ)
+            self.zero(self.lane_part(mdQaccum[(*batch_crd, head, row, None)], part))
+
+    @staticmethod
+    @cute.jit
+    def zero(dst: cute.Tensor):
+        """Zeros into ``dst`` (a lane's part of a row), by vector stores."""
+        zeros = cute.make_rmem_tensor_like(dst)
+        zeros.fill(0.0)
+        cute.autovec_copy(zeros, dst)
 
     @staticmethod
     def lane_part(row: cute.Tensor, part) -> cute.Tensor:
