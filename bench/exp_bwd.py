@@ -57,6 +57,7 @@ import torch
 
 from check_fwd import timeit  # bench/ is on sys.path when run as a script
 from varlen_overhead import VARLEN_FLAGS
+from watchdog import finish_or_exit
 from flash_cute import backward, dispatch
 from flash_cute.config import BWD_LOCKSTEP_128, BWD_TM80
 from flash_cute.reference import attention_ref, check_grads_close
@@ -254,6 +255,7 @@ def check_varlen(d, causal, det, pers, ov):
     del junk
     got = backward.varlen_bwd(dout, q, k, v, out, lse, deterministic=det, persistent=pers,
                               cfg_overrides=ov, **lengths, **opts)
+    finish_or_exit(f"varlen d={d} causal={int(causal)}")
     check_grads_close(got, *(grads(q, k, v, dout, up, **opts) for up in (True, False)))
 
 
@@ -289,6 +291,7 @@ for d, s, causal in SHAPES:
         try:
             got = backward.bwd(dos, qs, ks, vs, outs, lses, softmax_scale=scale, causal=causal,
                                deterministic=det, persistent=pers, cfg_overrides=ov)
+            finish_or_exit(f"d={d} causal={int(causal)} {name}")
             check_grads_close(got, ref, low)
         except ValueError as e:  # the call's own tile choice (batched_overrides) refuses it
             print(f"d={d} causal={int(causal)} {name}: skipped ({e})", flush=True)
