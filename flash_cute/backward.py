@@ -525,6 +525,33 @@ def split_tail_overrides(d: int, overrides=None, causal: bool = False,
     return {**(overrides or {}), "split_tail": True}
 
 
+# BwdSm90Config.fuse_dq_post chosen per call (the main kernel writes dQ; no bwd_post for it):
+# batched, the longest seqlen_q it takes per (head dim, causal); varlen, the head dims. Empty
+# until timed on the H200 against the shipped kernels (bench/exp_bwd.py "fuse",
+# varlen_workload.py --bwd-configs '' fuse_dq_post=1; docs/performance.md, session 52).
+BWD_FUSE_DQ_MAX_SEQLEN_Q = {}      # {(d, causal): max seqlen_q}
+BWD_FUSE_DQ_VARLEN_HEAD_DIMS = ()
+
+
+def fuse_overrides(d: int, overrides=None, causal: bool = False, seqlen_q: int = 0,
+                   varlen: bool = False, plain: bool = True):
+    """``overrides`` with fuse_dq_post on where BWD_FUSE_DQ_* take the call and the kernel
+    chosen so far can (not the 80-row tile, the split tail, the persistent or wide kernel),
+    unless the caller or FLASH_CUTE_BWD_CONFIG sets it. ``plain``: no deterministic order,
+    window, softcap or ALiBi (the fusion's GPU checks cover none of them). A per-call choice
+    between cached kernels: no length in a compile key."""
+    if varlen:
+        wanted = d in BWD_FUSE_DQ_VARLEN_HEAD_DIMS
+    else:
+        wanted = 0 < seqlen_q <= BWD_FUSE_DQ_MAX_SEQLEN_Q.get((d, bool(causal)), 0)
+    if not (wanted and plain) or "fuse_dq_post" in {**env_overrides(), **(overrides or {})}:
+        return overrides
+    cfg = bwd_config(d, overrides)
+    if cfg.wide or cfg.persistent or cfg.split_tail or cfg.dq_transposed:
+        return overrides
+    return {**(overrides or {}), "fuse_dq_post": True}
+
+
 def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:
     """The main kernel's config: the shipped one for head dim d, with ``cfg_overrides``
     (BwdSm90Config fields, experiments: e.g. {"tile_m": 128, "dq_split": "m"}). ValueError
@@ -700,6 +727,9 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              window is not None, softcap > 0, alibi_slopes is not None),
         bool(causal),
         bool(deterministic), persistent, sq)
+    plain = not (deterministic or window is not None or softcap > 0 or alibi_slopes is not None)
+    cfg_overrides = fuse_overrides(d, cfg_overrides, bool(causal), sq, plain=plain and not
+                                   persistent)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
@@ -814,9 +844,12 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return _zero_grads(q, k, v, learnable_sink)
     _require_runnable(d, q.device)
     cfg_overrides = score_mods_overrides(d, cfg_overrides, softcap > 0, alibi_slopes is not None)
+    persistent = _resolve_persistent(persistent, d)
+    plain = not (deterministic or persistent or window is not None or softcap > 0
+                 or alibi_slopes is not None)
+    cfg_overrides = fuse_overrides(d, cfg_overrides, bool(causal), varlen=True, plain=plain)
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
-    persistent = _resolve_persistent(persistent, d)
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
                                                bool(causal), gqa, bool(deterministic),
                                                varlen=True, persistent=persistent,

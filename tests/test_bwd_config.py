@@ -237,3 +237,27 @@ def test_register_splits_fit_the_launch_pool():
         registers.check_split(32, 240, 2)
     with pytest.raises(ValueError, match="multiples of 8"):
         registers.check_split(20, 240, 2)
+
+
+def test_fuse_overrides_follow_the_policy(monkeypatch):
+    """backward.fuse_overrides turns fuse_dq_post on only where BWD_FUSE_DQ_* take the call,
+    the tile chosen so far takes it and nothing else decides; empty tables change nothing."""
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    assert backward.fuse_overrides(64, D64, True, 1024) is D64  # the shipped (empty) tables
+    assert backward.fuse_overrides(128, None, True, varlen=True) is None
+    monkeypatch.setattr(backward, "BWD_FUSE_DQ_MAX_SEQLEN_Q", {(64, True): 4096,
+                                                               (128, False): 4096})
+    monkeypatch.setattr(backward, "BWD_FUSE_DQ_VARLEN_HEAD_DIMS", (128,))
+    assert backward.fuse_overrides(64, D64, True, 1024) == {**D64, "fuse_dq_post": True}
+    assert backward.fuse_overrides(64, D64, True, 8192) is D64  # longer than the table's
+    assert backward.fuse_overrides(64, D64, False, 1024) is D64  # not in the table
+    assert backward.fuse_overrides(64, D64, True, 1024, plain=False) is D64
+    talt = backward.batched_overrides(128, None, False, 1024)  # the 80-row tile: no fusion
+    assert backward.fuse_overrides(128, talt, False, 1024) is talt
+    assert backward.fuse_overrides(128, {"tile_m": 64}, False, 1024) == {
+        "tile_m": 64, "fuse_dq_post": True}
+    assert backward.fuse_overrides(128, None, True, varlen=True) == {"fuse_dq_post": True}
+    caller = {"fuse_dq_post": False}
+    assert backward.fuse_overrides(64, caller, True, 1024) is caller
+    monkeypatch.setenv(backward.CONFIG_ENV, "fuse_dq_post=0")
+    assert backward.fuse_overrides(64, D64, True, 1024) is D64

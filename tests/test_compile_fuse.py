@@ -30,7 +30,8 @@ FUSED = [(64, True, False, False, D64),
          (128, False, False, True, {"swizzle_dq": True}),
          (128, True, True, False, {"early_lse_d": True, "ds_before_dv": True,
                                    "v_with_do": True}),
-         (128, False, True, False, {})]
+         (128, False, True, False, {}),
+         (128, True, True, True, {})]  # varlen GQA: _compile_main's lockstep split
 
 
 @pytest.mark.parametrize("d,causal,varlen,gqa,ov", FUSED, ids=str)

@@ -448,3 +448,27 @@ def test_backward_fused_dq_launch(launched, monkeypatch, d, causal):
         assert [c.args[-1].data_ptr() for c in launched] == [dq.data_ptr()] * 2
         if used_q is not None:
             assert bool((dq == 0).all())
+
+
+def test_backward_fuses_where_the_policy_says(launched, monkeypatch):
+    """backward.BWD_FUSE_DQ_*: a call the tables take runs bwd_pre (zero_dq) and the fused main
+    kernel, no bwd_post; a deterministic one, or a length past the table's, keeps bwd_post."""
+    monkeypatch.delenv(backward.CONFIG_ENV, raising=False)
+    monkeypatch.setattr(backward, "BWD_FUSE_DQ_MAX_SEQLEN_Q", {(64, True): 1024})
+    monkeypatch.setattr(backward, "BWD_FUSE_DQ_VARLEN_HEAD_DIMS", (128,))
+    for sq, deterministic, fused in ((700, False, True), (700, True, False),
+                                     (2048, False, False)):
+        launched.clear()
+        q, k, v = _qkv((1, sq, 4, 64), (1, sq, 4, 64))
+        backward.bwd(q, q, k, v, q, torch.zeros(1, 4, sq), softmax_scale=0.1, causal=True,
+                     deterministic=deterministic)
+        names = [c.name for c in launched]
+        assert names[:2] == ["FlashBwdPreSm90", "FlashBwdSm90"]
+        assert (names == names[:2]) == fused == launched[0].zero_dq == launched[1].cfg_fuse
+    launched.clear()
+    cu = torch.tensor([0, 300, 700], dtype=torch.int32)
+    q, k, v = _qkv((700, 4, 128), (700, 2, 128))
+    backward.varlen_bwd(q, q, k, v, q, torch.zeros(4, 700), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                        max_seqlen_q=400, max_seqlen_k=400, softmax_scale=0.1, causal=True)
+    assert [c.name for c in launched][:2] == ["FlashBwdPreSm90", "FlashBwdSm90"]
+    assert launched[1].cfg_fuse and len(launched) == 4  # bwd_post for GQA's dK, dV only
