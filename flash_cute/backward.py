@@ -552,6 +552,12 @@ def fuse_overrides(d: int, overrides=None, causal: bool = False, seqlen_q: int =
     return {**(overrides or {}), "fuse_dq_post": True}
 
 
+def _plain_call(deterministic, persistent, window, softcap, alibi_slopes) -> bool:
+    """fuse_overrides' ``plain``: none of the options the fusion's GPU checks leave out."""
+    return not (deterministic or persistent or window is not None or softcap > 0
+                or alibi_slopes is not None)
+
+
 def bwd_config(d: int, cfg_overrides=None, causal=None) -> BwdSm90Config:
     """The main kernel's config: the shipped one for head dim d, with ``cfg_overrides``
     (BwdSm90Config fields, experiments: e.g. {"tile_m": 128, "dq_split": "m"}). ValueError
@@ -727,9 +733,8 @@ def bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              window is not None, softcap > 0, alibi_slopes is not None),
         bool(causal),
         bool(deterministic), persistent, sq)
-    plain = not (deterministic or window is not None or softcap > 0 or alibi_slopes is not None)
-    cfg_overrides = fuse_overrides(d, cfg_overrides, bool(causal), sq, plain=plain and not
-                                   persistent)
+    cfg_overrides = fuse_overrides(d, cfg_overrides, bool(causal), sq, plain=_plain_call(
+        deterministic, persistent, window, softcap, alibi_slopes))
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,
@@ -845,9 +850,8 @@ def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     _require_runnable(d, q.device)
     cfg_overrides = score_mods_overrides(d, cfg_overrides, softcap > 0, alibi_slopes is not None)
     persistent = _resolve_persistent(persistent, d)
-    plain = not (deterministic or persistent or window is not None or softcap > 0
-                 or alibi_slopes is not None)
-    cfg_overrides = fuse_overrides(d, cfg_overrides, bool(causal), varlen=True, plain=plain)
+    cfg_overrides = fuse_overrides(d, cfg_overrides, bool(causal), varlen=True, plain=_plain_call(
+        deterministic, persistent, window, softcap, alibi_slopes))
     cfg = bwd_config(d, cfg_overrides, causal)
     gqa = h != hk
     pre, main, post_dq, post = get_bwd_kernels(DEFAULT_ARCH, _TORCH_TO_CUTLASS[q.dtype], d,

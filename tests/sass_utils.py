@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from flash_cute.kernels.sm90.registers import REGISTER_FILE, WARPGROUP
+
 ARCH = "sm_90a"
 
 
@@ -88,11 +90,11 @@ def assert_register_pool(cubin: bytes, sass: str):
     regs = launch_registers(cubin)
     dealloc = dealloc or regs
     assert len(regs) == 1, f"one kernel per cubin expected, REGCOUNT entries {regs}"
-    wgs = 65536 // (regs[0] * 128)
-    need = 128 * (max(dealloc) + (wgs - 1) * max(alloc))
-    assert need <= regs[0] * 128 * wgs, (
+    wgs = REGISTER_FILE // (regs[0] * WARPGROUP)
+    need = WARPGROUP * (max(dealloc) + (wgs - 1) * max(alloc))
+    assert need <= regs[0] * WARPGROUP * wgs, (
         f"setmaxnreg ({max(dealloc)}, {max(alloc)} x {wgs - 1}) needs {need} registers, the "
-        f"CTA launches with {regs[0]} x {128 * wgs}: the increase would never complete")
+        f"CTA launches with {regs[0]} x {WARPGROUP * wgs}: the increase would never complete")
 
 
 def sass_opcodes(cubin: bytes, tmp_path) -> dict:
