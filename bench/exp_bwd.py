@@ -169,12 +169,16 @@ VARIANTS = {
     # default is the 80-row tile.
     "fuse": {"fuse_dq_post": True},
     "tm64_fuse": {"tile_m": 64, "dq_split": "alt", "fuse_dq_post": True},
+    # Session 53: the dQ warp counts block m after block m + lag's reduce is issued
+    # (BwdSm90Config.fuse_dq_lag; "fuse" waits with lag 1).
+    "fuse_lag2": {"fuse_dq_post": True, "fuse_dq_lag": 2},
+    "fuse_lag4": {"fuse_dq_post": True, "fuse_dq_lag": 4},
 }
 # Variants whose varlen kernel differs from the default's: also checked (not timed) on packed
 # sequences ending inside a key block, next to each other, with NaN in recycled memory.
 VARLEN_CHECKED = ("tma_epi", "tma_epi_persistent", "stagger", "tm80", "talt_lse", "dq_overlap",
                   "swizzle_dq", "swizzle_dq_det", "ds_before_dv", "early_dv", "early_dkv",
-                  "skip_wg", "fuse", "tm64_fuse")
+                  "skip_wg", "fuse", "tm64_fuse", "fuse_lag2", "fuse_lag4")
 ARGS = sys.argv[1:]
 ONLY_D = None
 if "--d" in ARGS:  # --d 192,256

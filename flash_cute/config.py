@@ -432,6 +432,7 @@ BWD_WIDE_HEAD_DIMS = (192, 256)
 # fp32 padding per dQaccum row (global and shared): rows 8 banks apart make the MMA threads'
 # 8-byte stores of a dQ tile conflict-free, and rows stay 16-byte aligned for the bulk reduce.
 DQ_ROW_PAD = 8
+MAX_FUSE_DQ_LAG = 4  # BwdSm90Config.fuse_dq_lag: the dQ reduces a warp keeps unwaited
 SWIZZLE_DQ_HEAD_DIMS = (64, 128)  # BwdSm90Config.swizzle_dq: power-of-two rows
 # BwdSm90Config.dq_first: widest dQ tile (columns per warpgroup) it compiles cleanly for; at
 # d=96 "alt" (96) and d=128 "alt" ptxas serialized the wgmma for lack of registers (C7512).
@@ -660,6 +661,10 @@ class BwdSm90Config:
     # it from dQaccum (kernels/sm90/bwd_convert.py), so bwd_post runs for GQA's dK / dV only.
     # One tile per CTA, non-deterministic, no split tail or window, dQaccum rows untransposed.
     fuse_dq_post: bool = False
+    # fuse_dq_post: the dQ warp counts query block m once block m + fuse_dq_lag's reduce is
+    # issued (it waits for m's adds to land first; 1 waited on each block's L2 reduction
+    # and lost 6-9% on the H200, session 53).
+    fuse_dq_lag: int = 1
     # One tile per CTA, batched, non-causal, not deterministic (backward.split_tail_overrides
     # ships it there for long enough calls, sessions 38-39): the R tiles of the grid's last,
     # partial wave are each cut along their query blocks into ``pieces`` CTAs (runtime
@@ -833,6 +838,8 @@ class BwdSm90Config:
                              f"split_tail and with untransposed dQ rows; got wide {self.wide}, "
                              f"persistent {self.persistent}, split_tail {self.split_tail}, "
                              f"dq_split {self.dq_split!r}")
+        if not 1 <= self.fuse_dq_lag <= MAX_FUSE_DQ_LAG:
+            raise ValueError(f"fuse_dq_lag: 1 .. {MAX_FUSE_DQ_LAG}, got {self.fuse_dq_lag}")
         if self.split_tail and not self.split_tail_fits:
             raise ValueError("split_tail: the narrow one-tile-per-CTA kernel's epilogue, no "
                              "timeline, early_dv or early_dk")

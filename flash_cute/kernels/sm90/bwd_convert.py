@@ -5,8 +5,9 @@ that sees it: N(m) of them (all key blocks; causal: those left of the diagonal's
 block count the forward's n_block_max gives, without its floor of one). A counter per query
 block (the deterministic semaphores' buffer, zeroed by the host) counts them as they land:
 
-    dQ warp, per query block m of its tile, after block m + 1's reduce is issued and sdQ
-        handed back (DQ_EMPTY; the tile's last block: after the loop), so the wait is short:
+    dQ warp, per query block m of its tile, after block m + lag's reduce is issued and sdQ
+        handed back (DQ_EMPTY; lag = cfg.fuse_dq_lag; the tile's last blocks: after the
+        loop), so the wait is short:
         wait for m's reduce to complete, fence.proxy.async (its writes, made by the async
         proxy, ordered before the generic release), old = atom.add.acq_rel(counter[m], 1);
         old == N(m) - 1: every other key block's adds have landed and this CTA saw them

@@ -244,15 +244,18 @@ class DqTile:
                         barrier_id=bar(Barrier.DQ_EMPTY, Barrier.DQ_EMPTY_ODD, m_block + 1),
                         number_of_threads=threads)
             if const_expr(self.cfg.fuse_dq_post):
-                # carry: the blocks handed to convert. The previous block is counted now, its
-                # adds long landed (one reduce, this one, may still be in flight).
-                if m_block > m_begin:
-                    carry = self.count_landed(self.dq_counter(mSem, tile, m_block - 1),
-                                              m_block - 1, seq, convert, carry, 1)
+                # carry: the blocks handed to convert. Block m - lag is counted now, its adds
+                # most likely landed (the lag reduces after it may still be in flight).
+                lag = self.cfg.fuse_dq_lag
+                if m_block - lag >= m_begin:
+                    carry = self.count_landed(self.dq_counter(mSem, tile, m_block - lag),
+                                              m_block - lag, seq, convert, carry, lag)
         if const_expr(self.cfg.fuse_dq_post):
-            if m_begin < m_end:
-                carry = self.count_landed(self.dq_counter(mSem, tile, m_end - 1), m_end - 1,
-                                          seq, convert, carry, 0)
+            for i in cutlass.range_constexpr(self.cfg.fuse_dq_lag):  # the last blocks, in order
+                j = self.cfg.fuse_dq_lag - i  # reduces issued after block m_end - j: j - 1
+                if m_end - j >= m_begin:
+                    carry = self.count_landed(self.dq_counter(mSem, tile, m_end - j), m_end - j,
+                                              seq, convert, carry, j - 1)
             self.hand_off(convert, carry, Int32(-1))  # the convert warps' sentinel
             carry += 1
         return carry
