@@ -8,7 +8,7 @@ import re
 import pytest
 
 from flash_cute import backward
-from flash_cute.config import BwdSm90Config
+from flash_cute.config import MAX_FUSE_DQ_LAG, BwdSm90Config
 from flash_cute.kernels.sm90.bwd_convert import CONVERT_ROWS
 from flash_cute.kernels.sm90.bwd_pre import BATCHED_PASSES, ROWS_PER_CTA
 
@@ -56,6 +56,29 @@ def test_fused_dq_compiles(d, causal, varlen, gqa, ov, tmp_path, monkeypatch):
     assert len(copies) == tile_m // CONVERT_ROWS
     fences = [i for i, line in enumerate(sass.splitlines()) if "FENCE.VIEW.ASYNC.G" in line]
     assert any(f < copies[0] for f in fences)
+
+
+@pytest.mark.parametrize("lag", [2, MAX_FUSE_DQ_LAG])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fused_dq_lag_counts_late(lag, varlen, tmp_path, monkeypatch):
+    """fuse_dq_lag: block m is counted with ``lag`` newer reduces in flight (DEPBAR.LE SB0,
+    lag), the tile's last ``lag`` blocks after the loop with fewer: lag + 1 counter adds."""
+    monkeypatch.chdir(tmp_path)
+    cubin = backward.bwd_cubin(ARCH, "BFloat16", 128, True, varlen=varlen, fuse_dq_post=True,
+                               fuse_dq_lag=lag)
+    sass = sass_text(cubin, tmp_path)
+    ops = opcodes(sass)
+    assert_wgmma_not_serialized(ops)
+    assert not ops.get("LDL") and not ops.get("STL"), "spills"
+    assert len(re.findall(r"ATOMG\.E\.ADD\.STRONG\.GPU", sass)) == lag + 1
+    for newer in range(lag + 1):
+        assert re.search(rf"DEPBAR\.LE SB0, {newer:#x}\b", sass)
+
+
+@pytest.mark.parametrize("lag", [0, MAX_FUSE_DQ_LAG + 1])
+def test_fused_dq_lag_bounds(lag):
+    with pytest.raises(ValueError, match="fuse_dq_lag"):
+        dataclasses.replace(BwdSm90Config.for_head_dim(128), fuse_dq_post=True, fuse_dq_lag=lag)
 
 
 @pytest.mark.parametrize("ov", [{"tile_m": 80, "dq_split": "talt"}, {"persistent": True},
