@@ -40,8 +40,9 @@ Warp roles (3 warpgroups, 384 threads):
                                           }   global (predicated; cfg.tma_epilogue: below)
                 setmaxnreg 240.
     WG0  dQ     warp 1: per query block, sdQ -> dQaccum rows with cp.reduce.async.bulk .add.f32.
-    WG0  convert warps 2-3, cfg.fuse_dq_post only: dQaccum -> dQ for the blocks whose last
-                reduce this CTA landed (bwd_convert.py; in the load warpgroup's 24 registers).
+    WG0  warps 2-3, cfg.fuse_dq_post only: dQaccum -> dQ for the blocks whose last reduce
+                this CTA landed; warp 2 stages them, warp 3 converts (bwd_convert.py; in the
+                load warpgroup's 24 registers).
 
 Pipelines (cutlass.pipeline.PipelineTmaAsync; full barrier: 1 producer arrive + TMA bytes;
 empty barrier: one arrive per consumer warp, 8):
@@ -356,7 +357,8 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
             if const_expr(self.cfg.fuse_dq_post):  # the convert ring (bwd_convert.py)
                 mbar_cvt: cute.struct.MemRange[cutlass.Int64, 2 * cvt.CONVERT_SLOTS]
                 cvt_slots: cute.struct.MemRange[Int32, cvt.CONVERT_SLOTS]
-                mbar_stage: cute.struct.MemRange[cutlass.Int64, cvt.CONVERT_STAGES]
+                mbar_stage: cute.struct.MemRange[cutlass.Int64, 2 * cvt.CONVERT_STAGES]
+                stage_block: cute.struct.MemRange[Int32, cvt.CONVERT_STAGES]
                 sStage: cute.struct.Align[cute.struct.MemRange[
                     Float32, cvt.CONVERT_STAGES * cvt.CONVERT_ROWS * self.cfg.dq_row], 128]
 
@@ -523,8 +525,7 @@ class FlashBwdSm90(TmaLoads, DqTile, KeyTileWalk, DqConvert):
                     self.dq_reduce(mdQaccum, mSem, sdQ, tiles,
                                    *((convert,) if const_expr(self.cfg.fuse_dq_post) else ()))
                 if const_expr(self.cfg.fuse_dq_post):
-                    if warp_idx == cvt.CONVERT_WARPS[0] or warp_idx == cvt.CONVERT_WARPS[1]:
-                        self.convert_blocks(mdQaccum, mdQ, dk_scale, convert, tiles)
+                    self.convert_roles(warp_idx, mdQaccum, mdQ, dk_scale, convert, tiles)
             else:
                 cute.arch.setmaxregister_increase(MMA_REGS)
                 self.mma(mma_sdp, mma_dkv, mma_dq, DkvOut(mdK, mdV, tma_dk, tma_dv, tma_mdK,

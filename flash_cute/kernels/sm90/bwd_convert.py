@@ -13,21 +13,26 @@ block (the deterministic semaphores' buffer, zeroed by the host) counts them as 
         old == N(m) - 1: every other key block's adds have landed and this CTA saw them
         (acquire): m goes into the convert ring (one slot per pending block);
         after the tile's last block: the sentinel -1.
-    Convert warps (warps 2 and 3 of the load warpgroup, otherwise idle):
-        take m from the ring; block m of dQaccum (L2: the reduces just wrote it) comes in
-        chunks of CONVERT_ROWS rows by TMA bulk copies into CONVERT_STAGES shared stages
-        (the chunk's bytes in flight without registers: a warp's loads alone would keep
-        ~4 KB in flight, ~3 us a block, slower than the mma warpgroups make blocks when one
-        CTA converts all of its own); per chunk every thread scales its vectors, rounds them
-        to the input dtype and stores dQ's rows below seqlen_q.
+    Stage warp (warp 2 of the load warpgroup, one thread): takes m from the ring and
+        stages its CONVERT_ROWS-row chunks of dQaccum (L2: the reduces just wrote them) by
+        TMA bulk copies into CONVERT_STAGES shared stages, the next block's as soon as
+        stages free up, so CONVERT_STAGES chunks stay in flight across blocks.
+    Convert warp (warp 3): per staged chunk, scales its vectors, rounds them to the input
+        dtype and stores dQ's rows below seqlen_q; then frees the stage.
+    (Why staged: register loads alone keep ~4 KB in flight, ~3 us a block, slower than the
+    mma warpgroups make blocks when one CTA converts all of its own, as under causal LPT
+    order. Session 51's first staged version issued a block's chunks only once the block
+    before was converted: two L2 round trips a block; on the H200 the fused kernel was then
+    4-9% slower than the shipped one, 24% on the varlen step's main kernel.)
 
-Ring: PipelineAsync of CONVERT_SLOTS Int32 slots; full = 1 arrive (dQ warp lane 0), empty = one
-arrive per convert thread (each after reading its slot). The ring and the reads of dQaccum
-never hold the mma warpgroups: the dQ warp waits for a free slot only when CONVERT_SLOTS
-conversions are still pending.
-Stages: one mbarrier each (1 arrive + the copy's bytes, by convert thread 0); a CONVERT named
-barrier (the 64 convert threads) after each chunk frees its stage for the chunk
-CONVERT_STAGES later. Shared memory: CONVERT_STAGES * CONVERT_ROWS * dq_row * 4 bytes (d=128:
+Ring: PipelineAsync of CONVERT_SLOTS Int32 slots; full = 1 arrive (dQ warp lane 0), empty = 1
+arrive (the stage thread, after reading its slot). The ring and the reads of dQaccum never
+hold the mma warpgroups: the dQ warp waits for a free slot only when CONVERT_SLOTS blocks are
+still to be staged.
+Stages: a full mbarrier each (1 arrive + the copy's bytes, by the stage thread, after it wrote
+the chunk's block into stage_block; the sentinel: a plain arrive with -1) and an empty one
+(CONVERT_THREADS arrives, each after converting the chunk): chunk n goes into stage
+n % CONVERT_STAGES. Shared memory: CONVERT_STAGES * CONVERT_ROWS * dq_row * 4 bytes (d=128:
 26 KB; the kernel's 195 KB fits beside it).
 
 Rows no key block sees (N(m) = 0: causal with seqlen_q > seqlen_k, a sequence without keys)
@@ -48,49 +53,56 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
 
 from ..common import block_info
-from .bwd_types import Barrier
+from ..common.layout import opaque_thread_idx
 
-CONVERT_WARPS = (2, 3)   # load warpgroup warps with no other role (0: TMA loads, 1: dQ reduces)
-CONVERT_THREADS = 32 * len(CONVERT_WARPS)
+STAGE_WARP = 2           # load warpgroup warps with no other role (0: TMA loads, 1: dQ
+CONVERT_WARP = 3         # reduces): one stages dQaccum chunks, the other converts them
+CONVERT_THREADS = 32
 CONVERT_SLOTS = 4        # query blocks awaiting conversion before the dQ warp would wait
 CONVERT_VEC = 8          # fp32 per thread and step: one 16-byte store of the 2-byte output
 CONVERT_ROWS = 16        # dQaccum rows per bulk copy (d=128: 8.5 KB)
-CONVERT_STAGES = 3       # chunks in flight (~26 KB at d=128)
-# The convert warps run in the load warpgroup's 24 registers (bwd.LOAD_REGS; spill-free).
+CONVERT_STAGES = 3       # chunks in flight (~26 KB at d=128: what the shared memory has left)
+# The stage and convert warps run in the load warpgroup's 24 registers (bwd.LOAD_REGS;
+# spill-free).
 # 32 hung the kernel: 32 * 128 + 240 * 256 exceeds the 168 * 384 launch pool, so the mma
 # warpgroups' setmaxnreg increase never completed (registers.check_split).
 
 
 @dataclass(frozen=True)
 class ConvertResources:
-    ring: pipeline.PipelineAsync  # dQ warp -> convert warps: query blocks to convert
+    ring: pipeline.PipelineAsync  # dQ warp -> convert thread 0: query blocks to convert
     slots: cute.Tensor            # (CONVERT_SLOTS,) Int32: the ring's values
     sStage: cute.Tensor           # (CONVERT_STAGES, CONVERT_ROWS, dq_row) fp32 staging
-    mbar: cute.Pointer            # CONVERT_STAGES mbarriers, one per stage
+    stage_block: cute.Tensor      # (CONVERT_STAGES,) Int32: each stage's query block (-1: end)
+    mbar: cute.Pointer            # CONVERT_STAGES "full" mbarriers, then as many "empty"
 
 
 def make_convert_resources(storage, dq_row: int) -> ConvertResources:
     """The ring and the stages from the kernel's shared storage (fields mbar_cvt, cvt_slots,
-    mbar_stage, sStage). Their barriers are initialised here, without a CTA barrier: the
-    kernel's pipeline set-up (make_tma_pipelines) fences and syncs once for all."""
+    mbar_stage, stage_block, sStage). Their barriers are initialised here, without a CTA
+    barrier: the kernel's pipeline set-up (make_tma_pipelines) fences and syncs once for
+    all."""
     ring = pipeline.PipelineAsync.create(
         barrier_storage=storage.mbar_cvt.data_ptr(), num_stages=CONVERT_SLOTS,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERT_THREADS),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
         defer_sync=True)
     mbar = storage.mbar_stage.data_ptr()
     init_stage_barriers(mbar)
     sStage = storage.sStage.get_tensor(cute.make_layout(
         (CONVERT_STAGES, CONVERT_ROWS, dq_row), stride=(CONVERT_ROWS * dq_row, dq_row, 1)))
     return ConvertResources(ring, storage.cvt_slots.get_tensor(cute.make_layout(CONVERT_SLOTS)),
-                            sStage, mbar)
+                            sStage,
+                            storage.stage_block.get_tensor(cute.make_layout(CONVERT_STAGES)),
+                            mbar)
 
 
 @cute.jit
 def init_stage_barriers(mbar: cute.Pointer):
     if cute.arch.thread_idx()[0] == 0:
         for stage in cutlass.range_constexpr(CONVERT_STAGES):
-            cute.arch.mbarrier_init(mbar + stage, 1)  # convert thread 0's arrive + the bytes
+            cute.arch.mbarrier_init(mbar + stage, 1)  # full: thread 0's arrive (+ the bytes)
+            cute.arch.mbarrier_init(mbar + CONVERT_STAGES + stage, CONVERT_THREADS)  # empty
 
 
 def ring_state(k: Int32, producer: bool) -> pipeline.PipelineState:
@@ -100,8 +112,21 @@ def ring_state(k: Int32, producer: bool) -> pipeline.PipelineState:
                                   (phase + 1) % 2 if producer else phase)
 
 
+@cute.jit
+def bulk_copy_g2s(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, mbar: cute.Pointer):
+    """``num_bytes`` from global ``src`` to shared ``dst`` by one TMA bulk copy, completing
+    on ``mbar`` (its transaction count)."""
+    llvm.inline_asm(
+        None, [dst.toint().ir_value(), src.llvm_ptr, Int32(num_bytes).ir_value(),
+               mbar.toint().ir_value()],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, "
+        "[$3];", "r,l,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 class DqConvert:
-    """Mixed into FlashBwdSm90: the dQ warp's count and hand-off, and the convert warps."""
+    """Mixed into FlashBwdSm90: the dQ warp's count and hand-off, the stage and convert
+    warps."""
 
     def key_blocks_seen(self, m_block: Int32, seq) -> Int32:
         """N(m): the key blocks whose reduce-adds query block ``m_block`` receives (bwd_tiles:
@@ -137,88 +162,92 @@ class DqConvert:
             convert.ring.producer_commit(state)
 
     @cute.jit
-    def convert_blocks(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32,
-                       convert: ConvertResources, tile):
-        """Convert warps: every query block the dQ warp hands over, until its sentinel."""
-        ring, slots = convert.ring, convert.slots
-        tidx = cute.arch.thread_idx()[0] % CONVERT_THREADS
-        k, chunk = Int32(0), Int32(0)  # blocks taken, chunks issued (stage / phase)
-        state = ring_state(k, False)
-        ring.consumer_wait(state)
-        m_block = slots[state.index]
-        ring.consumer_release(state)
-        while m_block >= 0:
-            self.convert_block(mdQaccum, mdQ, scale, tile, m_block, tidx, convert.sStage,
-                               convert.mbar, chunk)
-            chunk += self.tile_m // CONVERT_ROWS
-            k += 1
-            state = ring_state(k, False)
-            ring.consumer_wait(state)
-            m_block = slots[state.index]
-            ring.consumer_release(state)
+    def convert_roles(self, warp_idx: Int32, mdQaccum: cute.Tensor, mdQ: cute.Tensor,
+                      scale: Float32, convert: ConvertResources, tile):
+        """Warps STAGE_WARP (one thread) and CONVERT_WARP of the load warpgroup."""
+        if warp_idx == STAGE_WARP:
+            if cute.arch.lane_idx() == 0:
+                self.stage_blocks(mdQaccum, convert, tile)
+        if warp_idx == CONVERT_WARP:
+            self.convert_blocks(mdQ, scale, convert, tile)
 
     @cute.jit
-    def convert_block(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, tile,
-                      m_block: Int32, tidx: Int32, sStage: cute.Tensor, mbar: cute.Pointer,
-                      chunk0: Int32):
-        """dQ rows of query block ``m_block`` = scale * dQaccum, rounded; rows below seqlen_q.
-        ``chunk0``: chunks staged before this block (each stage's mbarrier phase)."""
-        seq, head, batch = tile.seq, tile.head, tile.batch
-        gAcc = cute.local_tile(seq.q_pad_rows(mdQaccum, head, batch), (self.tile_m, self.d),
-                               (m_block, 0))
-        gOut = seq.q_rows(mdQ, head, batch)
+    def stage_blocks(self, mdQaccum: cute.Tensor, convert: ConvertResources, tile):
+        """Stage warp, one thread: every query block the dQ warp hands over, chunk after
+        chunk into the stages (chunk n into stage n % CONVERT_STAGES once the convert warp
+        has released that stage's previous chunk), so CONVERT_STAGES chunks stay in flight
+        across blocks; then the sentinel."""
         chunks = self.tile_m // CONVERT_ROWS
         # A chunk's rows are contiguous (row stride dq_row); the last row's padding is left
         # out (it may lie past the allocation at the end of dQaccum).
-        chunk_bytes = (CONVERT_ROWS * self.cfg.dq_row - self.cfg.dq_row_pad) * 4
-        if tidx == 0:
+        num_bytes = (CONVERT_ROWS * self.cfg.dq_row - self.cfg.dq_row_pad) * 4
+        seq = tile.seq
+        k, n, m_block = Int32(0), Int32(0), Int32(0)  # blocks taken, chunks staged
+        while m_block >= 0:
+            state = ring_state(k, False)
+            convert.ring.consumer_wait(state)
+            m_block = convert.slots[state.index]
+            convert.ring.consumer_release(state)
+            k += 1
             cute.arch.fence_proxy("async.global")  # the acquired adds, then async reads
-            for c in cutlass.range_constexpr(min(CONVERT_STAGES, chunks)):
-                self.stage_chunk(gAcc, sStage, mbar, chunk0 + c, c, chunk_bytes)
-        vecs_per_row = self.d // CONVERT_VEC
-        for c in cutlass.range_constexpr(chunks):
-            n = chunk0 + c
-            stage = n % CONVERT_STAGES
-            cute.arch.mbarrier_wait(mbar + stage, (n // CONVERT_STAGES) % 2)
-            for i in cutlass.range_constexpr(CONVERT_ROWS * vecs_per_row // CONVERT_THREADS):
-                v = i * CONVERT_THREADS + tidx
-                r = v // vecs_per_row
-                col = v % vecs_per_row
-                row = m_block * self.tile_m + c * CONVERT_ROWS + r
-                acc = cute.make_rmem_tensor((CONVERT_VEC,), Float32)
-                cute.autovec_copy(cute.local_tile(sStage[stage, r, None], (CONVERT_VEC,),
-                                                  (self.acc_col(col, row),)), acc)
-                if row < seq.seqlen_q:
-                    out = cute.make_rmem_tensor((CONVERT_VEC,), self.dtype)
-                    out.store((acc.load() * scale).to(self.dtype))
-                    cute.autovec_copy(out, cute.local_tile(gOut[row, None], (CONVERT_VEC,),
-                                                           (col,)))
-            if const_expr(c + CONVERT_STAGES < chunks):
-                # every convert thread has read the stage: it takes chunk c + CONVERT_STAGES
-                cute.arch.barrier(barrier_id=int(Barrier.CONVERT),
-                                  number_of_threads=CONVERT_THREADS)
-                if tidx == 0:
-                    self.stage_chunk(gAcc, sStage, mbar, n + CONVERT_STAGES,
-                                     c + CONVERT_STAGES, chunk_bytes)
-        # the last chunks' stages are rewritten only after the next block's first wait ...
-        # which follows this barrier: no thread still reads them then
-        cute.arch.barrier(barrier_id=int(Barrier.CONVERT), number_of_threads=CONVERT_THREADS)
+            gAcc = cute.local_tile(seq.q_pad_rows(mdQaccum, tile.head, tile.batch),
+                                   (self.tile_m, self.d), (m_block, 0))
+            for c in cutlass.range_constexpr(chunks):
+                if c == 0 or m_block >= 0:  # the sentinel takes one stage
+                    stage = n % CONVERT_STAGES
+                    full = convert.mbar + stage
+                    # the stage's previous chunk converted (its first use: at once)
+                    cute.arch.mbarrier_wait(convert.mbar + CONVERT_STAGES + stage,
+                                            (n // CONVERT_STAGES + 1) % 2)
+                    convert.stage_block[stage] = m_block
+                    if m_block < 0:
+                        cute.arch.mbarrier_arrive(full)
+                    else:
+                        cute.arch.mbarrier_arrive_and_expect_tx(full, num_bytes)
+                        bulk_copy_g2s(convert.sStage[stage, 0, None].iterator,
+                                      gAcc[c * CONVERT_ROWS, None].iterator, num_bytes, full)
+                    n += 1
 
     @cute.jit
-    def stage_chunk(self, gAcc: cute.Tensor, sStage: cute.Tensor, mbar: cute.Pointer,
-                    n: Int32, c: int, num_bytes: int):
-        """Convert thread 0: chunk ``c`` of the block (the ``n``-th chunk staged) into its
-        stage by one bulk copy completing on the stage's mbarrier."""
-        stage = n % CONVERT_STAGES
-        cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, num_bytes)
-        src = gAcc[c * CONVERT_ROWS, None].iterator
-        dst = sStage[stage, 0, None].iterator
-        llvm.inline_asm(
-            None, [dst.toint().ir_value(), src.llvm_ptr, Int32(num_bytes).ir_value(),
-                   (mbar + stage).toint().ir_value()],
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-            "[$0], [$1], $2, [$3];", "r,l,r,r", has_side_effects=True, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT)
+    def convert_blocks(self, mdQ: cute.Tensor, scale: Float32, convert: ConvertResources,
+                       tile):
+        """Convert warp: the staged chunks in order until the sentinel, each stage released
+        (its empty barrier) once converted."""
+        chunks = self.tile_m // CONVERT_ROWS
+        n, m_block = Int32(0), Int32(0)  # chunks converted, the current chunk's block
+        while m_block >= 0:
+            stage = n % CONVERT_STAGES
+            cute.arch.mbarrier_wait(convert.mbar + stage, (n // CONVERT_STAGES) % 2)
+            m_block = convert.stage_block[stage]
+            if m_block >= 0:
+                self.convert_chunk(mdQ, scale, tile, m_block, n % chunks, convert.sStage,
+                                   stage)
+                cute.arch.mbarrier_arrive(convert.mbar + CONVERT_STAGES + stage)
+            n += 1
+
+    @cute.jit
+    def convert_chunk(self, mdQ: cute.Tensor, scale: Float32, tile, m_block: Int32, c: Int32,
+                      sStage: cute.Tensor, stage: Int32):
+        """dQ rows of chunk ``c`` of query block ``m_block`` = scale * its staged dQaccum
+        rows, rounded; rows below seqlen_q."""
+        seq = tile.seq
+        gOut = seq.q_rows(mdQ, tile.head, tile.batch)
+        vecs_per_row = self.d // CONVERT_VEC
+        for i in cutlass.range_constexpr(CONVERT_ROWS * vecs_per_row // CONVERT_THREADS):
+            # the lane read anew per vector: ptxas would otherwise hold every vector's
+            # offsets live from the chunk's start (d=96: 6 of them spilled at 24 registers)
+            v = i * CONVERT_THREADS + opaque_thread_idx() % CONVERT_THREADS
+            r = v // vecs_per_row
+            col = v % vecs_per_row
+            row = m_block * self.tile_m + c * CONVERT_ROWS + r
+            acc = cute.make_rmem_tensor((CONVERT_VEC,), Float32)
+            cute.autovec_copy(cute.local_tile(sStage[stage, r, None], (CONVERT_VEC,),
+                                              (self.acc_col(col, row),)), acc)
+            if row < seq.seqlen_q:
+                out = cute.make_rmem_tensor((CONVERT_VEC,), self.dtype)
+                out.store((acc.load() * scale).to(self.dtype))
+                cute.autovec_copy(out, cute.local_tile(gOut[row, None], (CONVERT_VEC,),
+                                                       (col,)))
 
     def acc_col(self, col, row):
         """dQaccum's vector holding output vector ``col`` of ``row`` (cfg.dq_swizzle's groups;

@@ -33,7 +33,6 @@ class Barrier(enum.IntEnum):
     DV_STAGED = 11
     DV_STAGED_WG2 = 12
     SPLIT = 13        # cfg.split_tail: a piece's partial sums are stored / its ticket read
-    CONVERT = 14      # cfg.fuse_dq_post: the convert warps are done with a staged chunk
 
 
 def parity_barrier(even: Barrier, odd: Barrier, step: Int32) -> Int32:
