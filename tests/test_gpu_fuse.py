@@ -48,6 +48,20 @@ def test_fused_dq_batched(b, sq, sk, h, hk, d, causal, monkeypatch):
     check_grads_close(got, *oracle(q, k, v, dout, causal=causal))
 
 
+@pytest.mark.parametrize("lag", [2, 4])
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal", [BATCHED[0], BATCHED[3]], ids=str)
+def test_fused_dq_lag(b, sq, sk, h, hk, d, causal, lag, monkeypatch):
+    """BwdSm90Config.fuse_dq_lag: blocks counted lag reduces later, the last ones after the
+    tile's loop."""
+    monkeypatch.setenv(backward.CONFIG_ENV, f"{FUSE},fuse_dq_lag={lag}")
+    q, k, v = qkv_inputs(b, sq, sk, h, hk, d)
+    dout = rand(b, sq, h, d, seed=7)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    poison_allocator()
+    got = torch.autograd.grad(flash_attn_func(*leaves, causal=causal), leaves, dout)
+    check_grads_close(got, *oracle(q, k, v, dout, causal=causal))
+
+
 # (lens_q, lens_k, shared cu_seqlens): sequences ending mid-tile, empty ones, one with keys
 # but no queries, one with queries but one key, one with queries and no key (bwd_pre zeroes
 # its dQ: LSE -inf); self-attention with one cu_seqlens tensor.
