@@ -526,9 +526,10 @@ def split_tail_overrides(d: int, overrides=None, causal: bool = False,
 
 
 # BwdSm90Config.fuse_dq_post chosen per call (the main kernel writes dQ; no bwd_post for it):
-# batched, the longest seqlen_q it takes per (head dim, causal); varlen, the head dims. Empty
-# until timed on the H200 against the shipped kernels (bench/exp_bwd.py "fuse",
-# varlen_workload.py --bwd-configs '' fuse_dq_post=1; docs/performance.md, session 52).
+# batched, the longest seqlen_q it takes per (head dim, causal); varlen, the head dims. Empty:
+# on the H200 the first fused kernel was 4-9% slower than the shipped path (varlen step 880
+# vs 810 us); the stage / convert warps since are untimed (bench/exp_bwd.py "fuse",
+# varlen_workload.py --bwd-configs '' fuse_dq_post=1; docs/performance.md, session 53).
 BWD_FUSE_DQ_MAX_SEQLEN_Q = {}      # {(d, causal): max seqlen_q}
 BWD_FUSE_DQ_VARLEN_HEAD_DIMS = ()
 
