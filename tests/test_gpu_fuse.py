@@ -40,12 +40,7 @@ BATCHED = [(2, 333, 517, 4, 2, 128, True), (2, 517, 333, 4, 4, 128, True),
 @pytest.mark.parametrize("b,sq,sk,h,hk,d,causal", BATCHED, ids=str)
 def test_fused_dq_batched(b, sq, sk, h, hk, d, causal, monkeypatch):
     monkeypatch.setenv(backward.CONFIG_ENV, FUSE)
-    q, k, v = qkv_inputs(b, sq, sk, h, hk, d)
-    dout = rand(b, sq, h, d, seed=7)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    poison_allocator()
-    got = torch.autograd.grad(flash_attn_func(*leaves, causal=causal), leaves, dout)
-    check_grads_close(got, *oracle(q, k, v, dout, causal=causal))
+    check_batched(b, sq, sk, h, hk, d, causal)
 
 
 @pytest.mark.parametrize("lag", [2, 4])
@@ -54,6 +49,11 @@ def test_fused_dq_lag(b, sq, sk, h, hk, d, causal, lag, monkeypatch):
     """BwdSm90Config.fuse_dq_lag: blocks counted lag reduces later, the last ones after the
     tile's loop."""
     monkeypatch.setenv(backward.CONFIG_ENV, f"{FUSE},fuse_dq_lag={lag}")
+    check_batched(b, sq, sk, h, hk, d, causal)
+
+
+def check_batched(b, sq, sk, h, hk, d, causal):
+    """flash_attn_func's gradients under the environment's config against the oracle."""
     q, k, v = qkv_inputs(b, sq, sk, h, hk, d)
     dout = rand(b, sq, h, d, seed=7)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
