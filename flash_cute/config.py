@@ -662,8 +662,8 @@ class BwdSm90Config:
     # One tile per CTA, non-deterministic, no split tail or window, dQaccum rows untransposed.
     fuse_dq_post: bool = False
     # fuse_dq_post: the dQ warp counts query block m once block m + fuse_dq_lag's reduce is
-    # issued (it waits for m's adds to land first; 1 waited on each block's L2 reduction
-    # and lost 6-9% on the H200, session 53).
+    # issued (it waits for m's adds to land first). 1 is what the H200 ran in session 53
+    # (fused 4-9% slower than shipped); whether that wait is a cause is not yet measured.
     fuse_dq_lag: int = 1
     # One tile per CTA, batched, non-causal, not deterministic (backward.split_tail_overrides
     # ships it there for long enough calls, sessions 38-39): the R tiles of the grid's last,

@@ -50,10 +50,10 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
-from cutlass._mlir.dialects import llvm
 
 from ..common import block_info
 from ..common.layout import opaque_thread_idx
+from .pipelines import bulk_copy_g2s
 
 STAGE_WARP = 2           # load warpgroup warps with no other role (0: TMA loads, 1: dQ
 CONVERT_WARP = 3         # reduces): one stages dQaccum chunks, the other converts them
@@ -110,18 +110,6 @@ def ring_state(k: Int32, producer: bool) -> pipeline.PipelineState:
     phase = (k // CONVERT_SLOTS) % 2
     return pipeline.PipelineState(CONVERT_SLOTS, k, k % CONVERT_SLOTS,
                                   (phase + 1) % 2 if producer else phase)
-
-
-@cute.jit
-def bulk_copy_g2s(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, mbar: cute.Pointer):
-    """``num_bytes`` from global ``src`` to shared ``dst`` by one TMA bulk copy, completing
-    on ``mbar`` (its transaction count)."""
-    llvm.inline_asm(
-        None, [dst.toint().ir_value(), src.llvm_ptr, Int32(num_bytes).ir_value(),
-               mbar.toint().ir_value()],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, "
-        "[$3];", "r,l,r,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 class DqConvert:

@@ -43,3 +43,15 @@ def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byte
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
         "l,r,r", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@cute.jit
+def bulk_copy_g2s(dst: cute.Pointer, src: cute.Pointer, num_bytes: int, mbar: cute.Pointer):
+    """``num_bytes`` from global ``src`` to shared ``dst`` by one TMA bulk copy, completing
+    on ``mbar`` (its transaction count)."""
+    llvm.inline_asm(
+        None, [dst.toint().ir_value(), src.llvm_ptr, Int32(num_bytes).ir_value(),
+               mbar.toint().ir_value()],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, "
+        "[$3];", "r,l,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
